@@ -1,0 +1,160 @@
+"""Rank actors on a local Ray: process groups and sub-meshes, fan-out, failures, teardown."""
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from ray import cloudpickle
+from ray.util.state import list_actors, list_placement_groups
+
+from actors import GroupOptions, PlacementError, RankError, RankGroup
+from raymoe import DistributedConfig, build_topology
+from raymoe.topology import Axis
+
+# Rank functions below travel to the actors by value: test modules are not importable there.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+OPTIONS = GroupOptions(collective_timeout_s=60, placement_timeout_s=30)
+
+
+def start(ray_session, **config):
+    return RankGroup.create(build_topology(DistributedConfig(**config)), OPTIONS)
+
+
+def alive_actors():
+    return [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name == "RankActor"]
+
+
+def live_placement_groups():
+    return [pg for pg in list_placement_groups() if pg.state != "REMOVED"]
+
+
+def group_members(ctx):
+    """For each axis, the ranks of this rank's sub-mesh, found by all-reducing 2**rank over it."""
+    members = {}
+    for axis in Axis:
+        bits = torch.tensor([1 << ctx.rank], dtype=torch.int64)
+        dist.all_reduce(bits, group=ctx.mesh(axis).get_group())
+        members[axis.value] = tuple(r for r in range(ctx.topology.world_size) if int(bits) >> r & 1)
+    env = {key: int(os.environ[key]) for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return members, env, ctx.backend, ctx.dense_mesh.mesh_dim_names, ctx.expert_mesh.mesh_dim_names
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"tp_size": 2, "fsdp_size": 4, "ep_size": 2},
+        {"tp_size": 2, "fsdp_size": 4, "ep_size": 4},
+        {"tp_size": 2, "fsdp_size": 4, "ep_size": 8},
+        {"dp_replicate_size": 2, "fsdp_size": 2},
+        {"dp_replicate_size": 2, "fsdp_size": 2, "ep_size": 2},
+    ],
+    ids=lambda c: ",".join(f"{k.removesuffix('_size')}{v}" for k, v in c.items()),
+)
+def test_sub_mesh_membership_equals_topology_groups(ray_session, config):
+    group = start(ray_session, **config)
+    try:
+        results = group.execute(group_members)
+    finally:
+        group.shutdown()
+    topology = group.topology
+    for rank, (members, env, backend, dense_names, expert_names) in enumerate(results):
+        for axis in Axis:
+            assert members[axis.value] == topology.group_of(rank, axis), (rank, axis)
+        assert env == {"RANK": rank, "WORLD_SIZE": topology.world_size, "LOCAL_RANK": rank}
+        assert backend == "gloo"
+        assert dense_names == ("dp_replicate", "fsdp", "tp") and expert_names == ("dp_replicate", "efsdp", "ep")
+
+
+def fail_on_rank_two(ctx):
+    if ctx.rank == 2:
+        raise ValueError("bad shard on purpose")
+    return ctx.rank
+
+
+def test_exception_on_one_rank_names_it_and_tears_everything_down(ray_session):
+    group = start(ray_session, tp_size=2, fsdp_size=2, ep_size=2)
+    with pytest.raises(RankError) as info:
+        group.execute(fail_on_rank_two)
+    error = info.value
+    assert error.rank == 2 and error.function == "fail_on_rank_two"
+    message = str(error)
+    assert message.startswith(
+        "rank 2 (dp_replicate=0, fsdp=1, tp=0, ep=0, efsdp=1) failed in fail_on_rank_two: "
+        "ValueError: bad shard on purpose"
+    )
+    assert (
+        "--- traceback on rank 2 ---" in message and 'in fail_on_rank_two\n    raise ValueError("bad shard' in message
+    )
+    assert not group.is_alive
+    _eventually(lambda: not alive_actors() and not live_placement_groups())
+
+
+def sleep_then_barrier(ctx, seconds):
+    if ctx.rank != 1:
+        time.sleep(seconds)
+    dist.barrier()
+    return ctx.rank
+
+
+def test_killed_rank_is_reported_within_seconds(ray_session):
+    group = start(ray_session, fsdp_size=2, dp_replicate_size=2)
+    victim = group._actors[1]
+    killer = threading.Timer(2.0, lambda: ray_session.kill(victim, no_restart=True))
+    killer.start()
+    began = time.monotonic()
+    with pytest.raises(RankError, match=r"rank 1 \(dp_replicate=0, fsdp=1.*failed in sleep_then_barrier: ActorDied"):
+        group.execute(sleep_then_barrier, 120)
+    assert time.monotonic() - began < 30
+    _eventually(lambda: not alive_actors() and not live_placement_groups())
+
+
+def rank_and_args(ctx, *args):
+    return ctx.rank, args
+
+
+def test_execute_per_rank_and_shutdown_is_idempotent(ray_session):
+    group = start(ray_session, dp_replicate_size=2)
+    assert group.execute(rank_and_args, "x") == [(0, ("x",)), (1, ("x",))]
+    assert group.execute_per_rank(rank_and_args, [(10,), (11,)]) == [(0, (10,)), (1, (11,))]
+    with pytest.raises(ValueError, match="needs 2 argument tuples, got 1"):
+        group.execute_per_rank(rank_and_args, [(10,)])
+    group.shutdown()
+    group.shutdown()
+    with pytest.raises(RuntimeError, match="was shut down"):
+        group.execute(rank_and_args)
+    _eventually(lambda: not alive_actors() and not live_placement_groups())
+
+
+def test_insufficient_resources_fail_before_any_actor(ray_session):
+    topology = build_topology(DistributedConfig(fsdp_size=16))
+    with pytest.raises(PlacementError, match=r"needs 16 rank slots of 1 CPUs, cluster has 1 node x 8 CPUs"):
+        RankGroup.create(topology, OPTIONS)
+    assert not alive_actors() and not live_placement_groups()
+
+
+def test_busy_cluster_times_out_with_a_clear_error(ray_session):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    hog = placement_group([{"CPU": 7}])
+    ray_session.get(hog.ready(), timeout=30)
+    try:
+        topology = build_topology(DistributedConfig(fsdp_size=2))
+        began = time.monotonic()
+        with pytest.raises(PlacementError, match=r"not ready after 2 s: the resources exist but are busy"):
+            RankGroup.create(topology, GroupOptions(placement_timeout_s=2))
+        assert time.monotonic() - began < 15
+    finally:
+        remove_placement_group(hog)
+    assert not alive_actors()
+
+
+def _eventually(condition, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.25)
