@@ -1,0 +1,22 @@
+"""Hub checkpoints: resolve, read (whole or any block of a parameter), load, and write back."""
+
+from raymoe.checkpoint.hub import HUB_ALLOW_PATTERNS, resolve_checkpoint
+from raymoe.checkpoint.load import assign_parameter, load_model, load_weights, open_checkpoint
+from raymoe.checkpoint.reader import CheckpointReader, SafetensorsFiles
+from raymoe.checkpoint.save import save_model, write_config
+from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE, CheckpointWriter
+
+__all__ = [
+    "DEFAULT_MAX_SHARD_SIZE",
+    "HUB_ALLOW_PATTERNS",
+    "CheckpointReader",
+    "CheckpointWriter",
+    "SafetensorsFiles",
+    "assign_parameter",
+    "load_model",
+    "load_weights",
+    "open_checkpoint",
+    "resolve_checkpoint",
+    "save_model",
+    "write_config",
+]

@@ -1,0 +1,63 @@
+"""Finding a checkpoint: a local directory, or a hub repository fetched into the local cache.
+
+Only what raymoe reads is downloaded (config, safetensors weights and their index, tokenizer
+files), never the ``.bin``/``.pth`` duplicates many repositories also carry. With
+``HF_HUB_OFFLINE=1`` huggingface_hub answers from its cache without touching the network.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+HUB_ALLOW_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+
+
+def resolve_checkpoint(
+    name_or_path: str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> Path:
+    """The local directory holding the checkpoint ``name_or_path`` (a directory, or a hub repo id)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ValueError(f"{str(name_or_path)!r} is a file; pass the directory holding config.json and the weights")
+    if _looks_like_a_path(str(name_or_path)):
+        raise ValueError(f"checkpoint directory {str(name_or_path)!r} does not exist")
+    try:
+        snapshot = snapshot_download(
+            repo_id=str(name_or_path),
+            revision=revision,
+            cache_dir=Path(cache_dir) if cache_dir is not None else None,
+            allow_patterns=list(HUB_ALLOW_PATTERNS),
+        )
+    except (LocalEntryNotFoundError, RepositoryNotFoundError, HFValidationError) as exc:
+        raise ValueError(
+            f"cannot resolve checkpoint {str(name_or_path)!r}: it is not a local directory and the hub snapshot "
+            f"is unavailable ({type(exc).__name__}: {exc})"
+        ) from exc
+    return Path(snapshot)
+
+
+def _looks_like_a_path(name: str) -> bool:
+    """Hub ids are ``name`` or ``owner/name``; anything else that is not a directory was meant as a path."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name

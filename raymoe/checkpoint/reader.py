@@ -1,0 +1,292 @@
+"""Reading hub safetensors checkpoints, whole parameters or any block of them.
+
+A checkpoint directory holds ``model.safetensors``, or shards listed by
+``model.safetensors.index.json``. :class:`SafetensorsFiles` maps hub tensor names to files and
+opens each file once, on first use. :class:`CheckpointReader` puts a model's hub layout on top:
+it answers in model parameter names and fused shapes, and reads a rectangular block of a fused
+parameter (given per-dimension slices of the fused shape) by reading only the overlapping parts
+of the hub tensors, through ``safe_open(...).get_slice``::
+
+    gate_up_proj [E, 2I, H], block (experts 4..6, rows 0..I/2, all H)
+        expert 4: gate_proj[0:I/2, :]        (the up half does not overlap: not read)
+        expert 5: gate_proj[0:I/2, :]
+
+Tensor-parallel and expert-parallel loaders read each rank's shard this way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from raymoe.models.hub_layout import Concat, HubKeys, HubLayout, Stack, hub_key_names
+
+SAFETENSORS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# safetensors dtype names of the float dtypes raymoe loads; anything else (ints, fp8 with scales) is refused.
+FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+Block = tuple[tuple[int, int], ...]  # per dimension [start, stop)
+
+
+@dataclass(frozen=True)
+class _TensorInfo:
+    shape: tuple[int, ...]
+    dtype: str  # safetensors name, e.g. "F32"
+
+
+class SafetensorsFiles:
+    """Hub tensor name -> its file in a checkpoint directory; files opened lazily, each once."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        self._stack = ExitStack()
+        self._handles: dict[str, Any] = {}
+        self._info: dict[str, _TensorInfo] = {}
+        self.file_of = self._map_files()
+
+    def _map_files(self) -> dict[str, str]:
+        index_path = self.directory / INDEX_FILE
+        if index_path.is_file():
+            with index_path.open() as f:
+                weight_map = json.load(f).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index_path} has no 'weight_map' object")
+            absent = sorted({file for file in weight_map.values() if not (self.directory / file).is_file()})
+            if absent:
+                raise ValueError(f"{index_path} lists shard files that are not in {self.directory}: {absent}")
+            return dict(weight_map)
+        if (self.directory / SAFETENSORS_FILE).is_file():
+            return dict.fromkeys(self._open(SAFETENSORS_FILE).keys(), SAFETENSORS_FILE)
+        raise ValueError(f"no {SAFETENSORS_FILE} or {INDEX_FILE} in {self.directory}")
+
+    def _open(self, file: str) -> Any:
+        if file not in self._handles:
+            self._handles[file] = self._stack.enter_context(safe_open(self.directory / file, framework="pt"))
+        return self._handles[file]
+
+    def keys(self) -> list[str]:
+        return list(self.file_of)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.file_of
+
+    def info(self, key: str) -> _TensorInfo:
+        if key not in self._info:
+            view = self._open(self.file_of[key]).get_slice(key)
+            self._info[key] = _TensorInfo(tuple(view.get_shape()), view.get_dtype())
+        return self._info[key]
+
+    def read(self, key: str, block: Block) -> Tensor:
+        """The ``block`` of hub tensor ``key``; only those bytes are read from the file."""
+        view = self._open(self.file_of[key]).get_slice(key)
+        tensor: Tensor = view[tuple(slice(start, stop) for start, stop in block)]
+        return tensor
+
+    def close(self) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+
+class _LayoutMismatch(Exception):
+    """The parts of a fused parameter do not fit together (internal; reported by ``check``)."""
+
+
+@dataclass
+class _Problems:
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    wrong_shape: list[str] = field(default_factory=list)
+    wrong_dtype: list[str] = field(default_factory=list)
+
+    def message(self, where: str, model_name: str, shown: int = 20) -> str | None:
+        sections = [
+            ("missing", self.missing),
+            ("unexpected", self.unexpected),
+            ("wrong shape", self.wrong_shape),
+            ("wrong dtype", self.wrong_dtype),
+        ]
+        lines = []
+        for title, items in sections:
+            if items:
+                more = f", ... (+{len(items) - shown} more)" if len(items) > shown else ""
+                lines.append(f"  {title} ({len(items)}): " + ", ".join(items[:shown]) + more)
+        if not lines:
+            return None
+        return f"checkpoint {where} does not match {model_name}:\n" + "\n".join(lines)
+
+
+class CheckpointReader:
+    """A checkpoint seen through a model's :data:`HubLayout`: parameters by model name, fused shapes.
+
+    ``ignored`` says which hub tensors may be present without being loaded (e.g. a tied head).
+    Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        layout: HubLayout,
+        ignored: Callable[[str], bool] = lambda key: False,
+    ) -> None:
+        self.files = SafetensorsFiles(directory)
+        self.layout = layout
+        self.ignored = ignored
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.files.close()
+
+    # --- metadata ------------------------------------------------------------------------------
+
+    def shape(self, name: str) -> torch.Size:
+        """Shape of model parameter ``name`` as assembled from the checkpoint."""
+        return torch.Size(self._shape(self._keys(name)))
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The checkpoint dtype of parameter ``name`` (all its parts share it)."""
+        dtype = self._dtype_name(self._keys(name))
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"parameter {name!r} is stored as {dtype}; raymoe loads {', '.join(FLOAT_DTYPES)}")
+        return FLOAT_DTYPES[dtype]
+
+    def check(self, expected_shapes: Mapping[str, Sequence[int]], model_name: str = "the model") -> None:
+        """One ``ValueError`` listing every missing, unexpected, wrong-shape and wrong-dtype tensor.
+
+        ``expected_shapes`` maps each model parameter to load to its (fused) shape.
+        """
+        problems = _Problems()
+        used: set[str] = set()
+        for name, want in expected_shapes.items():
+            if name not in self.layout:
+                raise ValueError(f"parameter {name!r} has no entry in the hub layout of {model_name}")
+            keys = self.layout[name]
+            parts = list(hub_key_names(keys))
+            used.update(parts)
+            absent = [part for part in parts if part not in self.files]
+            problems.missing.extend(absent)
+            if not absent:
+                self._check_parameter(name, keys, tuple(want), problems)
+        problems.unexpected = sorted(key for key in self.files.file_of if key not in used and not self.ignored(key))
+        message = problems.message(str(self.files.directory), model_name)
+        if message is not None:
+            raise ValueError(message)
+
+    def _check_parameter(self, name: str, keys: HubKeys, want: tuple[int, ...], problems: _Problems) -> None:
+        try:
+            have = self._shape(keys)
+        except _LayoutMismatch as exc:
+            problems.wrong_shape.append(f"{name}: {exc}")
+            return
+        if have != want:
+            problems.wrong_shape.append(f"{name}: checkpoint {have}, model {want}")
+        try:
+            dtype = self._dtype_name(keys)
+        except _LayoutMismatch as exc:
+            problems.wrong_dtype.append(f"{name}: {exc}")
+            return
+        if dtype not in FLOAT_DTYPES:
+            problems.wrong_dtype.append(f"{name}: {dtype} (raymoe loads {', '.join(FLOAT_DTYPES)})")
+
+    def _keys(self, name: str) -> HubKeys:
+        if name not in self.layout:
+            raise ValueError(f"{name!r} is not a parameter of this checkpoint's hub layout")
+        return self.layout[name]
+
+    def _shape(self, keys: HubKeys) -> tuple[int, ...]:
+        if isinstance(keys, str):
+            return self.files.info(keys).shape
+        shapes = [self._shape(part) for part in keys.parts]
+        if isinstance(keys, Stack):
+            if any(shape != shapes[0] for shape in shapes):
+                raise _LayoutMismatch(f"stacked parts differ in shape: {_describe_parts(keys, shapes)}")
+            return (len(shapes), *shapes[0])
+        dim = keys.dim
+        others = {shape[:dim] + shape[dim + 1 :] for shape in shapes}
+        if len(others) > 1 or len({shape[dim] for shape in shapes}) > 1:
+            raise _LayoutMismatch(f"concatenated parts differ in shape: {_describe_parts(keys, shapes)}")
+        first = shapes[0]
+        return (*first[:dim], sum(shape[dim] for shape in shapes), *first[dim + 1 :])
+
+    def _dtype_name(self, keys: HubKeys) -> str:
+        dtypes = {self.files.info(part).dtype for part in hub_key_names(keys)}
+        if len(dtypes) > 1:
+            raise _LayoutMismatch(f"parts stored in different dtypes {sorted(dtypes)}")
+        return dtypes.pop()
+
+    # --- reading -------------------------------------------------------------------------------
+
+    def read(self, name: str, index: Sequence[slice] | None = None) -> Tensor:
+        """Parameter ``name``, or the block ``index`` of it (one slice per leading dimension, step 1).
+
+        Returned in the checkpoint dtype, on CPU. Only bytes inside the block are read.
+        """
+        keys = self._keys(name)
+        block = _normalise_index(index, self._shape(keys), name)
+        out = torch.empty([stop - start for start, stop in block], dtype=self.dtype(name))
+        self._fill(keys, block, out)
+        return out
+
+    def _fill(self, keys: HubKeys, block: Block, out: Tensor) -> None:
+        if out.numel() == 0:
+            return
+        if isinstance(keys, str):
+            out.copy_(self.files.read(keys, block))
+        elif isinstance(keys, Stack):
+            (start, stop), inner = block[0], block[1:]
+            for row, part in enumerate(keys.parts[start:stop]):
+                self._fill(part, inner, out[row])
+        else:
+            self._fill_concat(keys, block, out)
+
+    def _fill_concat(self, keys: Concat, block: Block, out: Tensor) -> None:
+        """Each part covers ``[offset, offset + size)`` of the concatenated dim; read its overlap with the block."""
+        dim = keys.dim
+        start, stop = block[dim]
+        offset = 0
+        for part in keys.parts:
+            size = self._shape(part)[dim]
+            lo, hi = max(start, offset), min(stop, offset + size)
+            if lo < hi:
+                part_block = (*block[:dim], (lo - offset, hi - offset), *block[dim + 1 :])
+                self._fill(part, part_block, out.narrow(dim, lo - start, hi - lo))
+            offset += size
+
+
+def _normalise_index(index: Sequence[slice] | None, shape: tuple[int, ...], name: str) -> Block:
+    slices = list(index or ())
+    if len(slices) > len(shape):
+        raise ValueError(f"index of {name!r} has {len(slices)} slices but the parameter has {len(shape)} dims {shape}")
+    slices += [slice(None)] * (len(shape) - len(slices))
+    block = []
+    for dim, (s, size) in enumerate(zip(slices, shape, strict=True)):
+        if not isinstance(s, slice) or s.step not in (None, 1):
+            raise ValueError(f"index of {name!r}, dim {dim}: expected a slice with step 1, got {s!r}")
+        start, stop, _ = s.indices(size)
+        block.append((start, max(start, stop)))
+    return tuple(block)
+
+
+def _describe_parts(keys: Stack | Concat, shapes: list[tuple[int, ...]]) -> str:
+    first = shapes[0]
+    odd = [(part, shape) for part, shape in zip(keys.parts, shapes, strict=True) if shape != first]
+    shown = ", ".join(f"{next(hub_key_names(part))} {shape}" for part, shape in odd[:3])
+    return f"{next(hub_key_names(keys.parts[0]))} is {first} but {shown}"

@@ -1,0 +1,18 @@
+"""Next-token cross-entropy for causal LMs."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+IGNORE_INDEX = -100
+
+
+def causal_lm_loss(logits_BSV: Tensor, labels_BS: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """Mean cross-entropy of predicting ``labels[:, t + 1]`` from ``logits[:, t]``, in float32.
+
+    Label positions equal to ``ignore_index`` (padding, prompt tokens) do not count.
+    """
+    logits_NV = logits_BSV[:, :-1].float().reshape(-1, logits_BSV.shape[-1])
+    targets_N = labels_BS[:, 1:].reshape(-1)
+    return F.cross_entropy(logits_NV, targets_N, ignore_index=ignore_index)

@@ -1,0 +1,89 @@
+"""The grouped GEMM seam: one matmul per expert over that expert's contiguous block of rows.
+
+``x [S, K]`` holds rows sorted by expert, ``counts [E]`` how many rows each expert owns, and
+``w [E, N, K]`` one weight per expert (``nn.Linear`` layout). The result is ``[S, N]`` with
+``y[r] = w[e] @ x[r]`` for the expert ``e`` owning row ``r``.
+
+Two backends, chosen per call by :func:`select_gemm_backend` unless forced:
+
+* ``grouped_mm``: ``torch._grouped_mm``, a single kernel. It runs on CPU for float dtypes and on
+  CUDA for bfloat16 from sm80 on, and wants 16-byte-aligned strides and (on CUDA) pointers.
+* ``padded``: scatter rows into an ``[E, C, K]`` buffer (``C`` = the largest count), one batched
+  matmul, gather back. Correct everywhere, costs one host sync for ``C`` and memory for
+  ``E * C`` rows, so it suits the fallback role: odd shapes, fp32 on CUDA.
+
+Neither loops over experts in Python.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+from torch import Tensor
+
+GemmBackend = Literal["auto", "grouped_mm", "padded"]
+GEMM_BACKENDS: tuple[str, ...] = get_args(GemmBackend)
+_ALIGN_BYTES = 16
+
+
+def grouped_mm(x_SK: Tensor, w_ENK: Tensor, counts_E: Tensor, backend: GemmBackend = "auto") -> Tensor:
+    """``y [S, N]``: row block ``e`` of ``x_SK`` times ``w_ENK[e].T``; ``counts_E`` are the block sizes."""
+    if backend == "auto":
+        backend = select_gemm_backend(x_SK, w_ENK)
+    if backend == "grouped_mm":
+        offsets_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
+        return torch._grouped_mm(x_SK, w_ENK.transpose(-2, -1), offs=offsets_E)
+    if backend == "padded":
+        return _padded_bmm(x_SK, w_ENK, counts_E)
+    raise ValueError(f"unknown grouped GEMM backend {backend!r}; choose one of {GEMM_BACKENDS}")
+
+
+def select_gemm_backend(x_SK: Tensor, w_ENK: Tensor) -> Literal["grouped_mm", "padded"]:
+    """``grouped_mm`` where ``torch._grouped_mm`` supports the device, dtype and layout, else ``padded``."""
+    return "grouped_mm" if _native_supported(x_SK, w_ENK) else "padded"
+
+
+def _native_supported(x_SK: Tensor, w_ENK: Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm") or x_SK.dtype != w_ENK.dtype:
+        return False
+    device = x_SK.device
+    if device.type == "cpu":
+        dtype_ok = x_SK.dtype in (torch.float32, torch.bfloat16)
+    elif device.type == "cuda":
+        dtype_ok = x_SK.dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 0)
+    else:
+        return False
+    return dtype_ok and _aligned(x_SK, w_ENK, pointers=device.type == "cuda")
+
+
+def _aligned(x_SK: Tensor, w_ENK: Tensor, pointers: bool) -> bool:
+    """Row-major ``x`` and ``w`` (read transposed, i.e. column-major) with 16-byte row strides.
+
+    ``N`` must be aligned too: the backward pass multiplies the ``[S, N]`` output gradient.
+    """
+    align = _ALIGN_BYTES // x_SK.element_size()
+    strides_ok = (
+        w_ENK.shape[1] % align == 0
+        and x_SK.stride(-1) == 1
+        and w_ENK.stride(-1) == 1
+        and x_SK.stride(0) % align == 0
+        and w_ENK.stride(-2) % align == 0
+        and w_ENK.stride(0) % align == 0
+    )
+    if not pointers:
+        return strides_ok
+    return strides_ok and x_SK.data_ptr() % _ALIGN_BYTES == 0 and w_ENK.data_ptr() % _ALIGN_BYTES == 0
+
+
+def _padded_bmm(x_SK: Tensor, w_ENK: Tensor, counts_E: Tensor) -> Tensor:
+    num_experts, rows = w_ENK.shape[0], x_SK.shape[0]
+    if rows == 0:
+        return x_SK.new_zeros(0, w_ENK.shape[1])
+    capacity = int(counts_E.max())  # host sync: the buffer size depends on the routing
+    starts_E = torch.cumsum(counts_E, dim=0) - counts_E
+    expert_S = torch.repeat_interleave(torch.arange(num_experts, device=x_SK.device), counts_E, output_size=rows)
+    slot_S = torch.arange(rows, device=x_SK.device) - starts_E[expert_S]
+    x_ECK = x_SK.new_zeros(num_experts, capacity, x_SK.shape[1]).index_put((expert_S, slot_S), x_SK)
+    y_ECN = torch.bmm(x_ECK, w_ENK.transpose(1, 2))
+    return y_ECN[expert_S, slot_S]
