@@ -16,6 +16,7 @@ from raymoe.models.config import ModelConfig
 from raymoe.models.kv_cache import LayerKVCache
 from raymoe.models.norm import RMSNorm
 from raymoe.models.rope import apply_rope
+from raymoe.styles.tensor import SHARD_BLOCK_ATTR
 
 
 class Attention(nn.Module):
@@ -30,6 +31,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, config.num_key_value_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, config.num_key_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, hidden, bias=bias)
+        for projection in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
+            # Tensor parallelism may split these only into whole heads; styles check it in validate_param.
+            setattr(projection, SHARD_BLOCK_ATTR, self.head_dim)
         # Qwen3 normalises each head's query and key before RoPE; Llama does not.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
