@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from raymoe.models.config import ModelConfig
 from raymoe.models.decoder import CausalLM
 from raymoe.models.kv_cache import KVCache
 
@@ -33,7 +34,7 @@ def generate(
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     eos = tuple(model.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
-    pad = _pad_id(model, eos, pad_token_id)
+    pad = pad_token_for(model.config, eos, pad_token_id)
     batch, prompt_len = input_ids_BS.shape
     cache = KVCache(len(model.model.layers), prompt_len + max_new_tokens)
     eos_ids = torch.tensor(eos, dtype=input_ids_BS.dtype, device=input_ids_BS.device)
@@ -52,9 +53,10 @@ def generate(
     return torch.cat(tokens, dim=1)
 
 
-def _pad_id(model: CausalLM, eos: tuple[int, ...], pad_token_id: int | None) -> int:
+def pad_token_for(config: ModelConfig, eos: tuple[int, ...], pad_token_id: int | None) -> int:
+    """The id written after a sequence finished: the given one, the config's, else the first eos id."""
     if pad_token_id is not None:
         return pad_token_id
-    if model.config.pad_token_id is not None:
-        return model.config.pad_token_id
+    if config.pad_token_id is not None:
+        return config.pad_token_id
     return eos[0] if eos else 0  # without eos no sequence finishes, so the pad value is never used

@@ -1,8 +1,18 @@
-"""Shared fixtures. One local Ray instance serves every multi-rank test of the session."""
+"""Shared fixtures: one local Ray instance for the multi-rank tests, gloo process groups for the
+style tests, and tiny random transformers checkpoints as the numerical reference.
+
+``--import-mode=importlib`` keeps tests/ off sys.path, so helpers are fixtures, not imports.
+"""
+
+from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+import torch
+import transformers
 
 # Tests never reach the network: hub code paths read local files only.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -19,3 +29,207 @@ def ray_session():
         ray.init(num_cpus=RAY_TEST_CPUS, log_to_driver=False, include_dashboard=True)
     yield ray
     ray.shutdown()
+
+
+# --- multi-rank CPU process groups (gloo) for torch.distributed tests --------------------------
+
+
+def _load_rank_harness():
+    """tests/distributed.py, loaded by path: ``--import-mode=importlib`` keeps tests/ off sys.path."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "raymoe_tests_distributed", Path(__file__).with_name("distributed.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def tp2():
+    """Two CPU ranks in one gloo group (a 1-D tp mesh), started on first use and shared by the session.
+
+    ``tp2.run(check, *args)`` calls ``check(rank, *args)`` on both ranks; see tests/distributed.py.
+    """
+    group = _load_rank_harness().RankGroup(world_size=2)
+    yield group
+    group.close()
+
+
+# --- tiny random transformers checkpoints: the numerical reference -------------------------------
+#
+# Tiny random transformers models: the numerical reference of raymoe's model and checkpoint tests.
+#
+# Every config is small enough that a forward, a training step and a save take milliseconds,
+# and together they cover the shapes the model code must handle: odd top-k, expert counts that
+# are not powers of two, several GQA ratios, tied and untied heads, dense layers between sparse
+# ones, attention biases and the RoPE scalings raymoe implements.
+#
+# Tests get them through fixtures (``--import-mode=importlib`` makes helper modules unimportable):
+# ``tiny_name`` / ``moe_name`` parametrize over configs, ``tiny_checkpoint(name)`` is a directory
+# written by transformers' ``save_pretrained``, ``make_hf_model`` / ``load_hf_model`` build references.
+
+MOE_SHAPE = dict(vocab_size=96, max_position_embeddings=256)
+
+TINY_CONFIGS: dict[str, Callable[[], transformers.PreTrainedConfig]] = {
+    # 5 experts, top-3, GQA 2, a dense layer in the middle, normalised top-k.
+    "moe_e5_k3_gqa2_dense_mid": lambda: transformers.Qwen3MoeConfig(
+        **MOE_SHAPE,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=5,
+        num_experts_per_tok=3,
+        mlp_only_layers=[1],
+        norm_topk_prob=True,
+    ),
+    # 6 experts, top-1, GQA 3, tied head, every second layer sparse, odd intermediate (padded GEMM path).
+    "moe_e6_k1_gqa3_tied_step2": lambda: transformers.Qwen3MoeConfig(
+        **MOE_SHAPE,
+        hidden_size=48,
+        intermediate_size=40,
+        moe_intermediate_size=10,
+        num_hidden_layers=4,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=6,
+        num_experts_per_tok=1,
+        decoder_sparse_step=2,
+        tie_word_embeddings=True,
+        attention_bias=True,
+    ),
+    # 8 experts, top-2, multi-head (no GQA), head_dim != hidden/heads, aligned dims (torch._grouped_mm path).
+    "moe_e8_k2_mha": lambda: transformers.Qwen3MoeConfig(
+        **MOE_SHAPE,
+        hidden_size=64,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=8,
+        num_experts=8,
+        num_experts_per_tok=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    ),
+    # Llama, GQA 2, biases, Llama-3.1 RoPE scaling with all three frequency bands in use.
+    "llama_gqa2_llama3_rope_bias": lambda: transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attention_bias=True,
+        mlp_bias=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    # Llama, tied head, multi-head, linear RoPE scaling.
+    "llama_mha_tied_linear_rope": lambda: transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    ),
+    # Llama, four kv heads and a vocabulary divisible by 4: splits four ways under tensor parallelism.
+    "llama_mha4": lambda: transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+    ),
+    # Qwen3 dense, GQA 4 (one kv head), tied head, q/k norms.
+    "qwen3_gqa4_tied": lambda: transformers.Qwen3Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    ),
+}
+MOE_CONFIGS = [name for name in TINY_CONFIGS if name.startswith("moe")]
+
+
+@pytest.fixture(params=list(TINY_CONFIGS))
+def tiny_name(request: pytest.FixtureRequest) -> str:
+    """Each tiny config in turn."""
+    return str(request.param)
+
+
+@pytest.fixture(params=MOE_CONFIGS)
+def moe_name(request: pytest.FixtureRequest) -> str:
+    """Each tiny Qwen3-MoE config in turn."""
+    return str(request.param)
+
+
+def _make_hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
+    """A randomly initialised fp32 model; norms and biases perturbed so their loading is tested too."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(TINY_CONFIGS[name](), dtype=torch.float32)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("norm.weight"):
+                param.normal_(1.0, 0.1)
+            elif param_name.endswith("bias"):
+                param.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def _load_hf_model(directory: Path) -> transformers.PreTrainedModel:
+    # The eager experts loop is transformers' plainest definition (and its grouped_mm path fails
+    # on CPU for dims that are not 16-byte multiples).
+    options = {"experts_implementation": "eager"} if "moe" in directory.name else {}
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **options).eval()
+
+
+@pytest.fixture(scope="session")
+def make_hf_model() -> Callable[..., transformers.PreTrainedModel]:
+    """``make_hf_model(name, seed=0)``: a fresh random reference model."""
+    return _make_hf_model
+
+
+@pytest.fixture(scope="session")
+def load_hf_model() -> Callable[[Path], transformers.PreTrainedModel]:
+    """``load_hf_model(directory)``: transformers' ``from_pretrained`` in fp32, eval mode, eager experts."""
+    return _load_hf_model
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``tiny_checkpoint(name)``: the directory of a transformers-saved checkpoint, made once per session."""
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = tmp_path_factory.mktemp(name)
+            _make_hf_model(name).save_pretrained(made[name])
+        return made[name]
+
+    return get

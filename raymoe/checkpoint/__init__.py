@@ -1,6 +1,6 @@
 """Hub checkpoints: resolve, read (whole or any block of a parameter), load, and write back."""
 
-from raymoe.checkpoint.hub import HUB_ALLOW_PATTERNS, resolve_checkpoint
+from raymoe.checkpoint.hub import HUB_ALLOW_PATTERNS, resolve_checkpoint, resolve_config_file
 from raymoe.checkpoint.load import assign_parameter, load_model, load_weights, open_checkpoint
 from raymoe.checkpoint.reader import CheckpointReader, SafetensorsFiles
 from raymoe.checkpoint.save import save_model, write_config
@@ -17,6 +17,7 @@ __all__ = [
     "load_weights",
     "open_checkpoint",
     "resolve_checkpoint",
+    "resolve_config_file",
     "save_model",
     "write_config",
 ]

@@ -36,6 +36,29 @@ def resolve_checkpoint(
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> Path:
     """The local directory holding the checkpoint ``name_or_path`` (a directory, or a hub repo id)."""
+    local = _local_directory(name_or_path)
+    if local is not None:
+        return local
+    return _from_hub(name_or_path, list(HUB_ALLOW_PATTERNS), revision, cache_dir)
+
+
+def resolve_config_file(
+    name_or_path: str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Only ``config.json`` of the checkpoint: what the driver needs to validate a layout, without the weights."""
+    local = _local_directory(name_or_path)
+    directory = local if local is not None else _from_hub(name_or_path, ["config.json"], revision, cache_dir)
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ValueError(f"no config.json in {directory}: is {str(name_or_path)!r} a model checkpoint?")
+    return path
+
+
+def _local_directory(name_or_path: str | os.PathLike[str]) -> Path | None:
+    """The directory ``name_or_path`` names, None for a hub id, or a ``ValueError`` for a bad path."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
@@ -43,16 +66,25 @@ def resolve_checkpoint(
         raise ValueError(f"{str(name_or_path)!r} is a file; pass the directory holding config.json and the weights")
     if _looks_like_a_path(str(name_or_path)):
         raise ValueError(f"checkpoint directory {str(name_or_path)!r} does not exist")
+    return None
+
+
+def _from_hub(
+    name: str | os.PathLike[str],
+    allow_patterns: list[str],
+    revision: str | None,
+    cache_dir: str | os.PathLike[str] | None,
+) -> Path:
     try:
         snapshot = snapshot_download(
-            repo_id=str(name_or_path),
+            repo_id=str(name),
             revision=revision,
             cache_dir=Path(cache_dir) if cache_dir is not None else None,
-            allow_patterns=list(HUB_ALLOW_PATTERNS),
+            allow_patterns=allow_patterns,
         )
     except (LocalEntryNotFoundError, RepositoryNotFoundError, HFValidationError) as exc:
         raise ValueError(
-            f"cannot resolve checkpoint {str(name_or_path)!r}: it is not a local directory and the hub snapshot "
+            f"cannot resolve checkpoint {str(name)!r}: it is not a local directory and the hub snapshot "
             f"is unavailable ({type(exc).__name__}: {exc})"
         ) from exc
     return Path(snapshot)

@@ -4,19 +4,30 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
+
+from torch import Tensor
 
 from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE, CheckpointWriter
 from raymoe.models.decoder import CausalLM
 
 
 def save_model(
-    model: CausalLM, directory: str | os.PathLike[str], *, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+    model: CausalLM,
+    directory: str | os.PathLike[str],
+    *,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    tensors: Iterable[tuple[str, Tensor]] | None = None,
 ) -> list[Path]:
-    """Write ``config.json`` and the weights (per-expert hub tensors, sharded above ``max_shard_size`` bytes)."""
+    """Write ``config.json`` and the weights (per-expert hub tensors, sharded above ``max_shard_size`` bytes).
+
+    ``tensors`` yields ``(parameter name, full tensor)`` in place of the model's own parameters,
+    one at a time (a sharded model gathers each just before it is written).
+    """
     with CheckpointWriter(directory, layout=model.hub_layout(), max_shard_size=max_shard_size) as writer:
-        for name, param in model.named_parameters():
-            writer.write_parameter(name, param)
+        for name, tensor in tensors if tensors is not None else model.named_parameters():
+            writer.write_parameter(name, tensor)
         files = writer.close()
     write_config(model, directory)
     return files

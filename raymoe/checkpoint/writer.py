@@ -32,8 +32,10 @@ _PARTIAL_SUFFIX = ".partial"  # shard files before their final name (the shard c
 class CheckpointWriter:
     """Streams tensors into safetensors shards under ``directory``; use as a context manager.
 
-    Opening removes the weight files of an earlier save in ``directory`` (``model.safetensors``,
-    ``model-*-of-*.safetensors``, the index) so a stale index cannot point at old shards.
+    Shards are written as ``*.partial`` files; only a successful :meth:`close` removes the weight
+    files of an earlier save in ``directory`` (``model.safetensors``, ``model-*-of-*.safetensors``,
+    the index) and renames the new shards into place, so a failed save never loses the previous
+    checkpoint and a stale index cannot point at old shards.
     """
 
     def __init__(
@@ -56,7 +58,7 @@ class CheckpointWriter:
         self._written_params: set[str] = set()
         self._written_keys: set[str] = set()
         self._closed = False
-        _remove_weight_files(self.directory)
+        _remove_files(self.directory, (f"model-*.safetensors{_PARTIAL_SUFFIX}",))  # left by a crashed save
 
     def __enter__(self) -> CheckpointWriter:
         return self
@@ -113,6 +115,7 @@ class CheckpointWriter:
         if self._pending or not self._shards:
             self._flush()
         self._closed = True
+        _remove_files(self.directory, (SAFETENSORS_FILE, INDEX_FILE, "model-*-of-*.safetensors"))
         if len(self._shards) == 1:
             final = self.directory / SAFETENSORS_FILE
             self._shards[0][0].rename(final)
@@ -141,7 +144,7 @@ class CheckpointWriter:
             path.unlink(missing_ok=True)
 
 
-def _remove_weight_files(directory: Path) -> None:
-    for pattern in (SAFETENSORS_FILE, INDEX_FILE, "model-*-of-*.safetensors", f"model-*.safetensors{_PARTIAL_SUFFIX}"):
+def _remove_files(directory: Path, patterns: tuple[str, ...]) -> None:
+    for pattern in patterns:
         for path in directory.glob(pattern):
             path.unlink()

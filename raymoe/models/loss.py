@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch.nn.functional as F
 from torch import Tensor
 
 IGNORE_INDEX = -100
 
 
-def causal_lm_loss(logits_BSV: Tensor, labels_BS: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
-    """Mean cross-entropy of predicting ``labels[:, t + 1]`` from ``logits[:, t]``, in float32.
+def causal_lm_loss(
+    logits_BSV: Tensor, labels_BS: Tensor, ignore_index: int = IGNORE_INDEX, reduction: Literal["mean", "sum"] = "mean"
+) -> Tensor:
+    """Cross-entropy of predicting ``labels[:, t + 1]`` from ``logits[:, t]``, in float32.
 
-    Label positions equal to ``ignore_index`` (padding, prompt tokens) do not count.
+    Label positions equal to ``ignore_index`` (padding, prompt tokens) do not count. ``"sum"``
+    lets data-parallel ranks divide by the token count of the whole global batch instead of
+    their own, so the mean over all ranks equals one process's mean.
     """
     logits_NV = logits_BSV[:, :-1].float().reshape(-1, logits_BSV.shape[-1])
     targets_N = labels_BS[:, 1:].reshape(-1)
-    return F.cross_entropy(logits_NV, targets_N, ignore_index=ignore_index)
+    return F.cross_entropy(logits_NV, targets_N, ignore_index=ignore_index, reduction=reduction)
+
+
+def count_label_tokens(labels_BS: Tensor, ignore_index: int = IGNORE_INDEX) -> int:
+    """How many targets :func:`causal_lm_loss` averages over (every label but the first of each row)."""
+    return int((labels_BS[:, 1:] != ignore_index).sum())

@@ -63,6 +63,20 @@ def test_saving_again_removes_stale_shards(tiny_checkpoint, tmp_path):
     assert torch.equal(load_model(tmp_path).lm_head.weight, model.lm_head.weight)
 
 
+def test_a_failed_save_keeps_the_earlier_checkpoint(tiny_checkpoint, tmp_path):
+    model = load_model(tiny_checkpoint(MOE))
+    save_model(model, tmp_path)
+    before = (tmp_path / "model.safetensors").read_bytes()
+    writer = CheckpointWriter(tmp_path, layout=model.hub_layout(), max_shard_size=16)
+    with pytest.raises(RuntimeError, match="disk full"), writer:
+        writer.write_parameter("lm_head.weight", model.lm_head.weight)
+        writer.write_parameter("model.norm.weight", model.model.norm.weight)
+        assert list(tmp_path.glob("*.partial"))  # half a save is on disk
+        raise RuntimeError("disk full")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    assert (tmp_path / "model.safetensors").read_bytes() == before
+
+
 def test_config_is_written_back_with_the_saved_dtype(tiny_checkpoint, tmp_path):
     directory = tiny_checkpoint(MOE)
     model = load_model(directory, dtype=torch.bfloat16)

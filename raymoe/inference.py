@@ -1,0 +1,44 @@
+"""Forward passes on a rank for the driver: logits or greedy tokens of this rank's batch rows (SPEC INF-1).
+
+Every rank of a tp group computes the same rows with its shards; the first one answers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from raymoe.generation import generate
+from raymoe.loading import rank_model
+from raymoe.runtime import RankContext
+
+
+@torch.no_grad()
+def forward_logits(ctx: RankContext, input_ids_BS: Tensor) -> Tensor | None:
+    """``logits [B_local, S, V]`` on CPU from the first rank of each tp group; None elsewhere (same rows)."""
+    model = rank_model(ctx)
+    model.eval()
+    logits = model(input_ids_BS.to(ctx.device))
+    if isinstance(logits, DTensor):
+        logits = logits.full_tensor()
+    return logits.cpu() if ctx.coords.tp == 0 else None
+
+
+def generate_on_rank(
+    ctx: RankContext,
+    input_ids_BS: Tensor,
+    max_new_tokens: int,
+    eos_token_ids: tuple[int, ...] | None,
+    pad_token_id: int,
+) -> Tensor | None:
+    """Greedy tokens ``[B_local, S + n]`` (n <= max_new_tokens) from the first rank of each tp group.
+
+    The ranks of a tp group see the same replicated logits, so they pick the same tokens and stop together.
+    """
+    model = rank_model(ctx)
+    model.eval()
+    tokens = generate(
+        model, input_ids_BS.to(ctx.device), max_new_tokens, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id
+    )
+    return tokens.cpu() if ctx.coords.tp == 0 else None
