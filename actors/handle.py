@@ -18,9 +18,10 @@ import torch
 from torch import Tensor
 
 from actors.group import GroupOptions, RankGroup
+from raymoe.balance import expert_load_metrics
 from raymoe.batch import check_input_ids, check_sequence_length, make_global_batch, split_by_rank
 from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE
-from raymoe.generation import pad_token_for
+from raymoe.generation import pad_token_for, trim_finished
 from raymoe.inference import forward_logits, generate_on_rank
 from raymoe.launch import LaunchSpec
 from raymoe.loading import LoadReport, load_on_rank
@@ -113,7 +114,8 @@ class DistributedModel:
         results = self._group.execute_per_rank(generate_on_rank, args)
         rows = [results[ranks[0]] for ranks in self.topology.batch_ranks()]
         width = max(r.shape[1] for r in rows)
-        return torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=pad) for r in rows])
+        tokens = torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=pad) for r in rows])
+        return trim_finished(tokens, ids.shape[1], eos)
 
     def configure_training(
         self,
@@ -155,13 +157,17 @@ class DistributedModel:
         if lr is not None:
             self._training = TrainingConfig(**{**self._training.__dict__, "lr": lr})
         # Every rank of a tp group holds the same rows: count each batch block once.
-        loss_sum = sum(results[ranks[0]].loss_sum for ranks in self.topology.batch_ranks())
-        return {
-            "loss": loss_sum / batch.num_label_tokens,
+        firsts = [results[ranks[0]] for ranks in self.topology.batch_ranks()]
+        metrics: dict[str, Any] = {
+            "loss": sum(r.loss_sum for r in firsts) / batch.num_label_tokens,
             "grad_norm": results[0].grad_norm,
             "num_tokens": batch.num_label_tokens,
             "lr": self._training.lr,
         }
+        loads = [r.expert_load for r in firsts]
+        if all(load is not None for load in loads) and loads:
+            metrics.update(expert_load_metrics([load for load in loads if load is not None], self.topology))
+        return metrics
 
     def save_pretrained(self, path: str | os.PathLike[str], max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> list[Path]:
         """Gather the weights into a hub-layout checkpoint at ``path`` (written by rank 0, on its node)."""

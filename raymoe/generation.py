@@ -24,12 +24,15 @@ def generate(
     *,
     eos_token_ids: Sequence[int] | None = None,
     pad_token_id: int | None = None,
+    stop_early: bool = True,
 ) -> Tensor:
     """``[B, S + n]``: the prompts followed by up to ``max_new_tokens`` greedy (argmax) tokens.
 
     ``eos_token_ids`` defaults to the model config's. A sequence that produced one of them is
     finished: later positions get ``pad_token_id`` (default: the config's, else the first eos
     id), and generation stops early once every sequence is finished. Pass ``()`` to never stop.
+    ``stop_early=False`` runs all ``max_new_tokens`` steps anyway: ranks whose collectives must
+    stay in step (FSDP, expert dispatch) cannot stop at different times.
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -47,7 +50,7 @@ def generate(
         next_B = torch.where(finished_B, torch.full_like(next_B, pad), next_B)
         tokens.append(next_B[:, None])
         finished_B |= torch.isin(next_B, eos_ids)
-        if eos and bool(finished_B.all()):
+        if stop_early and eos and bool(finished_B.all()):
             break
         step_input_BS = next_B[:, None]
     return torch.cat(tokens, dim=1)
@@ -60,3 +63,14 @@ def pad_token_for(config: ModelConfig, eos: tuple[int, ...], pad_token_id: int |
     if config.pad_token_id is not None:
         return config.pad_token_id
     return eos[0] if eos else 0  # without eos no sequence finishes, so the pad value is never used
+
+
+def trim_finished(tokens_BL: Tensor, prompt_length: int, eos: Sequence[int]) -> Tensor:
+    """Drop the trailing steps after every row produced an eos id (what stopping early would have left)."""
+    if not eos or tokens_BL.shape[1] == prompt_length:
+        return tokens_BL
+    is_eos_BN = torch.isin(tokens_BL[:, prompt_length:], torch.tensor(list(eos), dtype=tokens_BL.dtype))
+    if not bool(is_eos_BN.any(dim=1).all()):
+        return tokens_BL
+    last_needed = int(is_eos_BN.int().argmax(dim=1).max())  # the step at which the slowest row finished
+    return tokens_BL[:, : prompt_length + last_needed + 1]

@@ -9,9 +9,11 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from raymoe.fsdp import reshard
 from raymoe.generation import generate
 from raymoe.loading import rank_model
 from raymoe.runtime import RankContext
+from raymoe.topology import Axis
 
 
 @torch.no_grad()
@@ -20,6 +22,7 @@ def forward_logits(ctx: RankContext, input_ids_BS: Tensor) -> Tensor | None:
     model = rank_model(ctx)
     model.eval()
     logits = model(input_ids_BS.to(ctx.device))
+    reshard(model)
     if isinstance(logits, DTensor):
         logits = logits.full_tensor()
     return logits.cpu() if ctx.coords.tp == 0 else None
@@ -38,7 +41,15 @@ def generate_on_rank(
     """
     model = rank_model(ctx)
     model.eval()
+    # Ranks with different batches share collectives (FSDP gathers, expert all-to-alls) at every step.
+    in_step = ctx.topology.config.dp_size > 1 or ctx.topology.axis_size(Axis.EP) > 1
     tokens = generate(
-        model, input_ids_BS.to(ctx.device), max_new_tokens, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id
+        model,
+        input_ids_BS.to(ctx.device),
+        max_new_tokens,
+        eos_token_ids=eos_token_ids,
+        pad_token_id=pad_token_id,
+        stop_early=not in_step,
     )
+    reshard(model)
     return tokens.cpu() if ctx.coords.tp == 0 else None

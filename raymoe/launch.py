@@ -89,7 +89,6 @@ def prepare_launch(
         raise ValueError(f"{config_file} must hold a JSON object, got {type(raw).__name__}")
     model = build_model(parse_model_config(raw), device="meta")
     plans = resolve_plans(model, model.default_plans(), topology.config, num_experts=model.num_experts)
-    check_implemented(topology.config)
     return LaunchSpec(
         source=str(name_or_path),
         revision=revision,
@@ -99,16 +98,3 @@ def prepare_launch(
         topology=topology,
         plans=plans,
     )
-
-
-def check_implemented(config: DistributedConfig) -> None:
-    """Layouts the runtime cannot run yet fail here, saying so, instead of running something else."""
-    missing = []
-    if (config.fsdp_size or 1) > 1:
-        missing.append(f"fsdp_size={config.fsdp_size} (FSDP2 sharding); dp_replicate_size gives plain data parallelism")
-    if (config.ep_size or 1) > 1:
-        missing.append(f"ep_size={config.ep_size} (expert parallelism)")
-    if config.fsdp_mixed_precision or config.fsdp_cpu_offload:
-        missing.append("fsdp_mixed_precision / fsdp_cpu_offload")
-    if missing:
-        raise NotImplementedError("not implemented in raymoe yet: " + "; ".join(missing))

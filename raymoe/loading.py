@@ -1,8 +1,9 @@
 """Sharded loading on a rank: build on meta, apply the plans, read only this rank's slices (SPEC RAY-3).
 
-    meta model --apply tp rules--> DTensor placeholders (placements = this rank's slice)
-               --for each parameter--> reader.read(name, block) for the blocks of the slice
-               --> local shard on the rank's device, wrapped like the placeholder
+    meta model (checkpoint dtype) --TP rules (tp mesh)--> --EP rules (ep mesh)--> --FSDP2-->
+        parameters are DTensors on meta whose placements say which slice of each tensor this rank keeps
+    --to_empty--> local storage on the rank's device
+    --for each parameter--> reader.read(name, block) for the blocks of its slice, copied into place
 
 The checkpoint is checked whole first (missing / unexpected / wrong-shape tensors), so a bad
 checkpoint fails before anything is read.
@@ -12,14 +13,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
-from raymoe.checkpoint.load import assign_parameter, open_checkpoint
+from raymoe.checkpoint.load import open_checkpoint
+from raymoe.checkpoint.reader import CheckpointReader
+from raymoe.fsdp import apply_fsdp, uses_fsdp
 from raymoe.launch import LaunchSpec
 from raymoe.models.decoder import CausalLM
 from raymoe.parallelize import apply_tp_rules
 from raymoe.runtime import RankContext
-from raymoe.sharding import Block, read_local_shard, with_local_shard
+from raymoe.sharding import Block, read_local_shard
+from raymoe.styles import STYLES, StyleRegistry
 from raymoe.topology import Axis
 
 
@@ -35,26 +41,48 @@ class LoadReport:
 def load_on_rank(ctx: RankContext, spec: LaunchSpec) -> LoadReport:
     """Build, shard and load the model of ``spec`` on this rank; it is kept in ``ctx.state["model"]``."""
     model = spec.build_meta_model()
-    if spec.plans.tp_rules:
-        apply_tp_rules(model, spec.plans.tp_rules, ctx.mesh(Axis.TP))
-    bytes_read = 0
     with open_checkpoint(spec.source, model, revision=spec.revision, cache_dir=spec.cache_dir) as reader:
         reader.check({name: param.shape for name, param in model.named_parameters()}, model_name=type(model).__name__)
-        for name, placeholder in list(model.named_parameters()):
-
-            def read(block: Block, name: str = name) -> Tensor:
-                nonlocal bytes_read
-                part = reader.read(name, block)
-                bytes_read += part.numel() * part.element_size()
-                return part
-
-            dtype = spec.torch_dtype or reader.dtype(name)
-            local = read_local_shard(placeholder, read).to(device=ctx.device, dtype=dtype)
-            assign_parameter(model, name, with_local_shard(placeholder, local), requires_grad=True)
-    model.tie_weights()
+        model.to(spec.torch_dtype or reader.dtype("model.embed_tokens.weight"))
+        shard_on_meta(model, spec, ctx)
+        model.to_empty(device=ctx.device)
+        bytes_read = _read_shards(model, reader)
     ctx.state["model"] = model
     ctx.state["spec"] = spec
     return LoadReport(ctx.rank, bytes_read, _bytes_held(model))
+
+
+def shard_on_meta(model: CausalLM, spec: LaunchSpec, ctx: RankContext) -> None:
+    """TP rules, then EP rules, then FSDP2, on the model while it is still on the meta device."""
+    registry = rank_registry(ctx)
+    if spec.plans.tp_rules:
+        apply_tp_rules(model, spec.plans.tp_rules, ctx.mesh(Axis.TP), registry)
+    if spec.plans.ep_rules:
+        apply_tp_rules(model, spec.plans.ep_rules, ctx.mesh(Axis.EP), registry)
+    if uses_fsdp(ctx.topology.config):
+        apply_fsdp(model, spec.plans, ctx)
+
+
+def rank_registry(ctx: RankContext) -> StyleRegistry:
+    """The global styles, with the token-dispatch style bound to this rank's tp mesh (it slices rows over tp)."""
+    return STYLES
+
+
+def _read_shards(model: CausalLM, reader: CheckpointReader) -> int:
+    """Fill every parameter's local storage from the checkpoint; returns the bytes read."""
+    bytes_read = 0
+    for name, param in model.named_parameters():
+
+        def read(block: Block, name: str = name) -> Tensor:
+            nonlocal bytes_read
+            part = reader.read(name, block)
+            bytes_read += part.numel() * part.element_size()
+            return part
+
+        local = param.to_local() if isinstance(param, DTensor) else param
+        with torch.no_grad():
+            local.copy_(read_local_shard(param, read))
+    return bytes_read
 
 
 def rank_model(ctx: RankContext) -> CausalLM:
@@ -67,6 +95,6 @@ def rank_model(ctx: RankContext) -> CausalLM:
 def _bytes_held(model: CausalLM) -> int:
     total = 0
     for param in model.parameters():
-        local = param.to_local() if hasattr(param, "to_local") else param
+        local = param.to_local() if isinstance(param, DTensor) else param
         total += local.numel() * local.element_size()
     return total

@@ -2,8 +2,8 @@
 
 Every data-parallel rank takes the *sum* of its token losses and divides by the number of
 label tokens in the whole global batch (counted on the driver), so summing gradients over
-data-parallel ranks gives exactly one process's gradient of the global mean loss, however
-unevenly the tokens are spread::
+data-parallel ranks (FSDP2 does, see raymoe.fsdp) gives exactly one process's gradient of the
+global mean loss, however unevenly the tokens are spread::
 
     loss = sum_over_ranks(sum_of_token_losses_r) / global_tokens
 """
@@ -14,14 +14,14 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from raymoe.fsdp import expert_modules
 from raymoe.loading import rank_model
 from raymoe.models.loss import causal_lm_loss
+from raymoe.models.moe.router import TopKRouter
 from raymoe.runtime import RankContext
-from raymoe.topology import Axis
 
 
 @dataclass(frozen=True)
@@ -59,19 +59,39 @@ def _check(field: str, value: object, ok: bool, rule: str) -> None:
 
 @dataclass(frozen=True)
 class StepResult:
-    """One rank's share of a step: its summed token loss, and the global gradient norm before clipping."""
+    """One rank's share of a step: its summed token loss, the global gradient norm before clipping, and
+    (first rank of a tp group, MoE models) tokens per expert of its batch ``[moe_layers, E]``."""
 
     loss_sum: float
     grad_norm: float
+    expert_load: Tensor | None = None
 
 
 def configure_training(ctx: RankContext, config: TrainingConfig) -> None:
-    """A fresh AdamW over this rank's parameters; replaces any earlier optimizer state."""
+    """A fresh AdamW over this rank's parameters, one group per mesh (dense, expert); replaces earlier state."""
     model = rank_model(ctx)
+    groups = [{"params": params, "mesh": name} for name, params in parameter_groups(model, ctx).items() if params]
     ctx.state["optimizer"] = torch.optim.AdamW(
-        model.parameters(), lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
+        groups, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
     )
     ctx.state["training"] = config
+    for router in routers(model):
+        router.record_load = True
+
+
+def parameter_groups(model: nn.Module, ctx: RankContext) -> dict[str, list[nn.Parameter]]:
+    """``dense`` and ``expert`` parameters (SPEC TRAIN-2); experts count as dense without expert parallelism."""
+    spec = ctx.state["spec"]
+    expert_paths = set(expert_modules(spec.plans)) if (ctx.topology.config.ep_size or 1) > 1 else set()
+    groups: dict[str, list[nn.Parameter]] = {"dense": [], "expert": []}
+    for name, param in model.named_parameters():
+        owner = name.rpartition(".")[0]
+        groups["expert" if owner in expert_paths else "dense"].append(param)
+    return groups
+
+
+def routers(model: nn.Module) -> list[TopKRouter]:
+    return [module for module in model.modules() if isinstance(module, TopKRouter)]
 
 
 def train_step(
@@ -86,9 +106,9 @@ def train_step(
     model.train()
     logits = model(input_ids_BS.to(ctx.device))
     loss_sum = causal_lm_loss(logits, labels_BS.to(ctx.device), reduction="sum")
+    # FSDP2 sums the gradients over data-parallel ranks (raymoe.fsdp), giving one process's gradient.
     (loss_sum / global_tokens).backward()
-    params = [p for p in model.parameters() if p.grad is not None]
-    _sum_over_replicas(ctx, params)
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     norm = grad_norm(params)
     if config.max_grad_norm is not None:
         _clip(params, norm, config.max_grad_norm)
@@ -97,32 +117,29 @@ def train_step(
             group["lr"] = lr
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(float(loss_sum.detach()), float(norm))
-
-
-def _sum_over_replicas(ctx: RankContext, params: list[nn.Parameter]) -> None:
-    """Data-parallel replicas computed gradients of their own rows: sum them (dp_replicate axis)."""
-    mesh = ctx.mesh(Axis.DP_REPLICATE)
-    if mesh.size() == 1:
-        return
-    group = mesh.get_group()
-    for param in params:
-        grad = param.grad
-        assert grad is not None
-        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
+    load = [router.last_load.cpu() for router in routers(model) if router.last_load is not None]
+    expert_load = torch.stack(load) if load and ctx.coords.tp == 0 else None
+    return StepResult(float(loss_sum.detach()), float(norm), expert_load)
 
 
 def grad_norm(params: list[nn.Parameter]) -> Tensor:
-    """The 2-norm of all gradients as one vector; sharded gradients are reduced over their mesh."""
-    squares = []
+    """The 2-norm of all gradients as one vector, over both meshes (SPEC TRAIN-2).
+
+    Squares are summed locally per layout (mesh and placements), then reduced once per layout
+    by DTensor, which sums over sharded mesh axes and not over replicated ones.
+    """
+    per_layout: dict[tuple[object, ...], Tensor] = {}
     for param in params:
         grad = param.grad
         assert grad is not None
-        norm = torch.linalg.vector_norm(grad.float())
-        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
-    if not squares:
-        return torch.zeros(())
-    return torch.stack(squares).sum().sqrt()
+        square = grad.float().pow(2).sum()
+        key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else ("local",)
+        per_layout[key] = per_layout[key] + square if key in per_layout else square
+    total = torch.zeros((), dtype=torch.float32)
+    for square in per_layout.values():
+        full = square.full_tensor() if isinstance(square, DTensor) else square
+        total = total + full.cpu()
+    return total.sqrt()
 
 
 def _clip(params: list[nn.Parameter], norm: Tensor, max_norm: float) -> None:

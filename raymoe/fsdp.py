@@ -1,0 +1,110 @@
+"""FSDP2 on a rank: dense modules over the data-parallel axes, experts over their own (SPEC TRAIN-1, TOPO-5, EP-6).
+
+Applied after the TP and EP rules (torchtitan's order: TP/EP -> FSDP2), with
+``torch.distributed.fsdp.fully_shard``::
+
+    experts (EP on)   fully_shard over (dp_replicate, efsdp)   params: Shard(0) over ep, then over efsdp
+    fsdp_plan rules   fully_shard over (dp_replicate, fsdp)    dense params, 2-D with TP DTensors
+    the model         fully_shard over (dp_replicate, fsdp)    whatever no rule took (root)
+
+A 2-D data-parallel mesh is HSDP: reduce-scatter inside a replica, all-reduce across replicas.
+
+Gradients are *summed* over every data-parallel axis, never averaged: each rank's loss is its
+token-loss sum divided by the global batch's token count (raymoe.training), so the sum is one
+process's gradient for dense modules and experts alike, whatever the layout. Sum-only
+collectives also run on gloo, which has no AVG / PREMUL_SUM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from raymoe.config import DistributedConfig
+from raymoe.plans import ResolvedPlans
+from raymoe.runtime import RankContext
+from raymoe.topology import Axis
+
+RESHARD_AFTER_FORWARD = {"free_full_weight": True, "keep_full_weight": False}
+
+
+def uses_fsdp(config: DistributedConfig) -> bool:
+    """FSDP2 wraps the model when there is data parallelism, expert parallelism (experts are always
+    wrapped) or an FSDP option that only FSDP can honour (mixed precision, CPU offload)."""
+    return config.dp_size > 1 or (config.ep_size or 1) > 1 or config.fsdp_mixed_precision or config.fsdp_cpu_offload
+
+
+def apply_fsdp(model: nn.Module, plans: ResolvedPlans, ctx: RankContext) -> None:
+    """Wrap ``model`` (TP/EP rules already applied, still on meta) in FSDP2 units for this layout."""
+    config = ctx.topology.config
+    mp_policy, offload_policy = mixed_precision(config), offload(config, ctx.device)
+
+    def shard(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True) -> None:
+        fully_shard(
+            module,
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+        )
+
+    dense_mesh = _data_parallel_mesh(ctx, Axis.FSDP)
+    for path in expert_modules(plans) if (config.ep_size or 1) > 1 else []:
+        shard(model.get_submodule(path), _data_parallel_mesh(ctx, Axis.EFSDP))
+    # The fsdp_plan applies only with data parallelism; without it the root unit still carries the policies.
+    for path, strategy in _children_first(plans.fsdp_rules) if config.dp_size > 1 else []:
+        shard(model.get_submodule(path), dense_mesh, RESHARD_AFTER_FORWARD[strategy])
+    shard(model, dense_mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def expert_modules(plans: ResolvedPlans) -> list[str]:
+    """Modules that hold expert weights under EP: owners of the parameters the ep rules shard."""
+    owners = {path.rpartition(".")[0] for path, style in plans.ep_rules.items() if style == "grouped_gemm"}
+    return sorted(owners)
+
+
+def mixed_precision(config: DistributedConfig) -> MixedPrecisionPolicy:
+    """``fsdp_mixed_precision``: bf16 parameters in forward/backward, fp32 gradient reduction."""
+    if config.fsdp_mixed_precision:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def offload(config: DistributedConfig, device: torch.device) -> OffloadPolicy:
+    """``fsdp_cpu_offload``: sharded parameters, gradients and optimizer state live on the CPU."""
+    if config.fsdp_cpu_offload:
+        return CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    return OffloadPolicy()
+
+
+def _data_parallel_mesh(ctx: RankContext, shard_axis: Axis) -> DeviceMesh:
+    """(dp_replicate, shard_axis) for HSDP, or the shard axis alone without replicas."""
+    parent = ctx.dense_mesh if shard_axis == Axis.FSDP else ctx.expert_mesh
+    if ctx.topology.axis_size(Axis.DP_REPLICATE) > 1:
+        return parent[(Axis.DP_REPLICATE.value, shard_axis.value)]
+    return parent[shard_axis.value]
+
+
+def _children_first(rules: dict[str, str]) -> Iterable[tuple[str, str]]:
+    """Nested FSDP units must be wrapped before the units that contain them."""
+    return sorted(rules.items(), key=lambda item: -item[0].count("."))
+
+
+def reshard(model: nn.Module) -> None:
+    """Free the full weights every FSDP unit still holds after a forward without backward.
+
+    Units with ``keep_full_weight`` stay unsharded after a no-grad forward (inference); a later
+    training forward would then run on those gathered copies, whose gradients FSDP no longer
+    reduces, and an optimizer step would leave them stale. Inference ends by calling this.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -1,0 +1,99 @@
+"""FSDP2 options and training metrics through the handle: mixed precision, CPU offload, expert load (LB-1)."""
+
+import copy
+import sys
+
+import pytest
+import torch
+from ray import cloudpickle
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+import raymoe
+from raymoe.checkpoint import load_model
+from raymoe.loading import rank_model
+from raymoe.training import routers
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+MOE = "moe_e8_k2_mha"
+
+
+def batch(vocab, rows=4, seq=8, seed=0):
+    return torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def reference_step_loss(directory, load_hf_model, ids):
+    model = copy.deepcopy(load_hf_model(directory)).train()
+    return model(input_ids=ids, labels=ids).loss.item()
+
+
+def storage_facts(ctx):
+    """Where and in which dtype this rank keeps parameters and optimizer state, and its FSDP policies."""
+    model = rank_model(ctx)
+    optimizer = ctx.state.get("optimizer")
+    states = [t for state in (optimizer.state.values() if optimizer else []) for t in state.values() if t.dim() > 0]
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    return {
+        "param_dtypes": {str(p.dtype) for p in model.parameters()},
+        "param_devices": {p.device.type for p in model.parameters()},
+        "state_devices": {t.device.type for t in states},
+        "offloaded": all(
+            isinstance(u._get_fsdp_state()._fsdp_param_group.offload_policy, CPUOffloadPolicy)
+            for u in units
+            if u._get_fsdp_state()._fsdp_param_group
+        ),
+        "compute_dtypes": {
+            str(u._get_fsdp_state()._fsdp_param_group.mp_policy.param_dtype)
+            for u in units
+            if u._get_fsdp_state()._fsdp_param_group
+        },
+    }
+
+
+def test_mixed_precision_computes_in_bf16_and_keeps_fp32_weights(ray_session, tiny_checkpoint, load_hf_model):
+    directory = tiny_checkpoint(MOE)
+    ids = batch(96)
+    expected = reference_step_loss(directory, load_hf_model, ids)
+    config = {"fsdp_size": 2, "fsdp_mixed_precision": True}
+    with raymoe.from_pretrained(directory, distributed_config=config) as model:
+        assert model(ids).dtype == torch.bfloat16
+        model.configure_training()
+        loss = model.train_step(ids)["loss"]
+        facts = model._group.execute(storage_facts)[0]
+    assert facts["param_dtypes"] == {"torch.float32"} and facts["compute_dtypes"] == {"torch.bfloat16"}
+    assert abs(loss - expected) <= 2e-2 * expected and loss != expected
+
+
+def test_cpu_offload_keeps_weights_and_optimizer_state_on_cpu(ray_session, tiny_checkpoint, load_hf_model):
+    directory = tiny_checkpoint(MOE)
+    ids = batch(96)
+    expected = reference_step_loss(directory, load_hf_model, ids)
+    with raymoe.from_pretrained(directory, distributed_config={"fsdp_size": 2, "fsdp_cpu_offload": True}) as model:
+        model.configure_training()
+        loss = model.train_step(ids)["loss"]
+        facts = model._group.execute(storage_facts)[0]
+    assert facts["offloaded"] and facts["param_devices"] == {"cpu"} and facts["state_devices"] == {"cpu"}
+    assert facts["compute_dtypes"] == {"None"}
+    assert abs(loss - expected) <= 1e-5 * expected
+
+
+@pytest.mark.parametrize("config", [{"tp_size": 2, "fsdp_size": 2}], ids=["tp2-fsdp2"])
+def test_expert_load_metrics_count_every_routed_token_once(ray_session, tiny_checkpoint, config):
+    directory = tiny_checkpoint(MOE)
+    ids = batch(96, rows=4, seq=8, seed=5)
+    single = load_model(directory)
+    for router in routers(single):
+        router.record_load = True
+    with torch.no_grad():
+        single(ids)
+    expected = torch.stack([r.last_load for r in routers(single)])  # [layers, experts]
+    with raymoe.from_pretrained(directory, distributed_config=config) as model:
+        model.configure_training()
+        metrics = model.train_step(ids)
+    assert torch.equal(torch.tensor(metrics["expert_load"]), expected)
+    assert all(sum(layer) == 4 * 8 * 2 for layer in metrics["expert_load"])  # tokens x top-2
+    mean = expected.double().mean(dim=1)
+    assert metrics["expert_imbalance"] == pytest.approx((expected.double().max(dim=1).values / mean).tolist())
+    # without expert parallelism each rank runs all experts on its own batch: 2 rows x 8 tokens x top-2
+    assert metrics["rank_load"] == [[32] * 4] * len(expected)
+    assert metrics["rank_imbalance"] == [1.0] * len(expected)
