@@ -19,7 +19,13 @@ from torch import Tensor
 
 from actors.group import GroupOptions, RankGroup
 from raymoe.balance import expert_load_metrics
-from raymoe.batch import check_input_ids, check_sequence_length, make_global_batch, split_by_rank
+from raymoe.batch import (
+    check_input_ids,
+    check_sequence_length,
+    make_global_batch,
+    split_by_rank,
+    split_micro_batches,
+)
 from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE
 from raymoe.generation import pad_token_for, trim_finished
 from raymoe.inference import forward_logits, generate_on_rank
@@ -136,11 +142,14 @@ class DistributedModel:
         labels: Tensor | None = None,
         attention_mask: Tensor | None = None,
         lr: float | None = None,
+        micro_batches: int = 1,
     ) -> dict[str, Any]:
         """One optimizer step on the global batch; the loss is the mean over all its label tokens.
 
         ``labels`` default to ``input_ids``; label ``-100`` and ``attention_mask == 0`` take no loss.
         ``lr`` overrides the learning rate from this step on (schedules set it every step).
+        ``micro_batches > 1`` splits each rank's rows into that many forward/backward passes
+        (gradient accumulation) before the one optimizer step.
         """
         if self._training is None:
             raise RuntimeError("call configure_training(...) before train_step")
@@ -152,7 +161,10 @@ class DistributedModel:
             raise ValueError("the batch has no label tokens to learn from (all labels are -100 or masked)")
         ids_of_rank = split_by_rank(batch.input_ids, self.topology)
         labels_of_rank = split_by_rank(batch.labels, self.topology)
-        args = [(ids, labs, batch.num_label_tokens, lr) for ids, labs in zip(ids_of_rank, labels_of_rank, strict=True)]
+        args = [
+            (split_micro_batches(ids, labs, micro_batches), batch.num_label_tokens, lr)
+            for ids, labs in zip(ids_of_rank, labels_of_rank, strict=True)
+        ]
         results: list[StepResult] = self._group.execute_per_rank(train_step, args)
         if lr is not None:
             self._training = TrainingConfig(**{**self._training.__dict__, "lr": lr})

@@ -101,3 +101,16 @@ def split_by_rank(batch: Tensor, topology: Topology) -> list[Tensor]:
         )
     blocks = torch.tensor_split(batch, dp_size)
     return [blocks[coords.batch] for coords in topology.ranks]
+
+
+def split_micro_batches(input_ids: Tensor, labels: Tensor, micro_batches: int) -> list[tuple[Tensor, Tensor]]:
+    """A rank's rows as ``micro_batches`` (input_ids, labels) pairs for gradient accumulation."""
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
+    if input_ids.shape[0] < micro_batches:
+        raise ValueError(
+            f"micro_batches={micro_batches} needs at least that many rows per data-parallel rank, "
+            f"and a rank holds {input_ids.shape[0]}; use a larger global batch or fewer micro-batches"
+        )
+    pairs = zip(torch.tensor_split(input_ids, micro_batches), torch.tensor_split(labels, micro_batches), strict=True)
+    return list(pairs)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from raymoe.fsdp import expert_modules
@@ -95,19 +96,32 @@ def routers(model: nn.Module) -> list[TopKRouter]:
 
 
 def train_step(
-    ctx: RankContext, input_ids_BS: Tensor, labels_BS: Tensor, global_tokens: int, lr: float | None = None
+    ctx: RankContext, micro_batches: list[tuple[Tensor, Tensor]], global_tokens: int, lr: float | None = None
 ) -> StepResult:
-    """Forward, backward, reduce, clip and step on this rank's rows of the global batch."""
+    """One optimizer step over this rank's rows of the global batch, given as ``(input_ids, labels)`` micro-batches.
+
+    Every micro-batch's loss is divided by the token count of the whole global batch, so
+    accumulating their gradients gives the gradient of the global mean loss. FSDP2 reduces
+    gradients only after the last micro-batch.
+    """
     model = rank_model(ctx)
     optimizer = ctx.state.get("optimizer")
     config = ctx.state.get("training")
     if not isinstance(optimizer, torch.optim.Optimizer) or not isinstance(config, TrainingConfig):
         raise RuntimeError("train_step before configure_training")
     model.train()
-    logits = model(input_ids_BS.to(ctx.device))
-    loss_sum = causal_lm_loss(logits, labels_BS.to(ctx.device), reduction="sum")
-    # FSDP2 sums the gradients over data-parallel ranks (raymoe.fsdp), giving one process's gradient.
-    (loss_sum / global_tokens).backward()
+    loss_sum = torch.zeros((), dtype=torch.float32)
+    expert_load: Tensor | None = None
+    for index, (input_ids_BS, labels_BS) in enumerate(micro_batches):
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+        logits = model(input_ids_BS.to(ctx.device))
+        micro_loss = causal_lm_loss(logits, labels_BS.to(ctx.device), reduction="sum")
+        # FSDP2 sums the gradients over data-parallel ranks (raymoe.fsdp), giving one process's gradient.
+        (micro_loss / global_tokens).backward()
+        loss_sum += micro_loss.detach().float().cpu()
+        load = _expert_load(model)
+        expert_load = load if expert_load is None or load is None else expert_load + load
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     norm = grad_norm(params)
     if config.max_grad_norm is not None:
@@ -117,9 +131,13 @@ def train_step(
             group["lr"] = lr
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return StepResult(float(loss_sum), float(norm), expert_load if ctx.coords.tp == 0 else None)
+
+
+def _expert_load(model: nn.Module) -> Tensor | None:
+    """``[moe_layers, E]`` tokens per expert of the last forward, or None for a dense model."""
     load = [router.last_load.cpu() for router in routers(model) if router.last_load is not None]
-    expert_load = torch.stack(load) if load and ctx.coords.tp == 0 else None
-    return StepResult(float(loss_sum.detach()), float(norm), expert_load)
+    return torch.stack(load) if load else None
 
 
 def grad_norm(params: list[nn.Parameter]) -> Tensor:

@@ -107,6 +107,10 @@ def test_handle_surface_and_lifecycle(ray_session, tiny_checkpoint):
     model.configure_training()
     with pytest.raises(ValueError, match="left padding"):
         model.train_step(torch.zeros(2, 3, dtype=torch.long), attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]))
+    with pytest.raises(ValueError, match=r"micro_batches=2 needs at least that many rows per data-parallel rank"):
+        model.train_step(torch.zeros(2, 3, dtype=torch.long), micro_batches=2)
+    with pytest.raises(ValueError, match=r"micro_batches must be an int >= 1, got 0"):
+        model.train_step(torch.zeros(2, 3, dtype=torch.long), micro_batches=0)
     with pytest.raises(ValueError, match="no label tokens"):
         model.train_step(torch.zeros(2, 3, dtype=torch.long), labels=torch.full((2, 3), -100))
     assert model._finalizer.atexit  # the actors are also freed when the driver exits

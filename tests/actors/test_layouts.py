@@ -54,14 +54,14 @@ def reference_training(hf_model, data):
     return losses, model
 
 
-def check_layout(config, tiny_checkpoint, load_hf_model, tmp_path, checkpoint=MOE):
+def check_layout(config, tiny_checkpoint, load_hf_model, tmp_path, checkpoint=MOE, micro_batches=1):
     directory = tiny_checkpoint(checkpoint) if isinstance(checkpoint, str) else checkpoint
     hf_model = load_hf_model(directory)
     data = global_batches(hf_model.config.vocab_size)
     ref_losses, ref_model = reference_training(hf_model, data)
     with raymoe.from_pretrained(directory, distributed_config=DistributedConfig(**config)) as model:
         model.configure_training(lr=LR, weight_decay=WEIGHT_DECAY)
-        metrics = [model.train_step(ids, attention_mask=mask) for ids, mask in data]
+        metrics = [model.train_step(ids, attention_mask=mask, micro_batches=micro_batches) for ids, mask in data]
         for step, (got, want) in enumerate(zip(metrics, ref_losses, strict=True)):
             assert abs(got["loss"] - want) <= 1e-5 * abs(want), (step, got["loss"], want)
         model.save_pretrained(tmp_path)
@@ -79,3 +79,7 @@ def check_layout(config, tiny_checkpoint, load_hf_model, tmp_path, checkpoint=MO
 def test_layout_trains_like_one_process(ray_session, tiny_checkpoint, load_hf_model, tmp_path, layout):
     metrics = check_layout(LAYOUTS[layout], tiny_checkpoint, load_hf_model, tmp_path)
     assert all(m["num_tokens"] > 0 and m["grad_norm"] > 0 for m in metrics)
+
+
+def test_gradient_accumulation_equals_one_big_step(ray_session, tiny_checkpoint, load_hf_model, tmp_path):
+    check_layout({"fsdp_size": 2, "tp_size": 2}, tiny_checkpoint, load_hf_model, tmp_path, micro_batches=2)
