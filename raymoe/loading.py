@@ -23,9 +23,11 @@ from raymoe.fsdp import apply_fsdp, uses_fsdp
 from raymoe.launch import LaunchSpec
 from raymoe.models.decoder import CausalLM
 from raymoe.parallelize import apply_tp_rules
+from raymoe.plans import DISPATCH_STYLE
 from raymoe.runtime import RankContext
 from raymoe.sharding import Block, read_local_shard
 from raymoe.styles import STYLES, StyleRegistry
+from raymoe.styles.expert import EpDispatchExpertsParallel
 from raymoe.topology import Axis
 
 
@@ -65,7 +67,11 @@ def shard_on_meta(model: CausalLM, spec: LaunchSpec, ctx: RankContext) -> None:
 
 def rank_registry(ctx: RankContext) -> StyleRegistry:
     """The global styles, with the token-dispatch style bound to this rank's tp mesh (it slices rows over tp)."""
-    return STYLES
+    if ctx.topology.axis_size(Axis.TP) == 1 or DISPATCH_STYLE not in STYLES:
+        return STYLES
+    registry = STYLES.copy()
+    registry.register(DISPATCH_STYLE, EpDispatchExpertsParallel(tp_mesh=ctx.mesh(Axis.TP)), replace=True)
+    return registry
 
 
 def _read_shards(model: CausalLM, reader: CheckpointReader) -> int:

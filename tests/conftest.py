@@ -58,6 +58,17 @@ def tp2():
     group.close()
 
 
+@pytest.fixture(scope="session")
+def world4():
+    """Four CPU ranks in one gloo group, for layouts that combine tp, fsdp and ep: ``rank.context(**config)``.
+
+    ``world4.run(check, *args)`` calls ``check(rank, *args)`` on every rank; see tests/distributed.py.
+    """
+    group = _load_rank_harness().RankGroup(world_size=4)
+    yield group
+    group.close()
+
+
 # --- tiny random transformers checkpoints: the numerical reference -------------------------------
 #
 # Tiny random transformers models: the numerical reference of raymoe's model and checkpoint tests.

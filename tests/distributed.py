@@ -7,8 +7,11 @@
 ``check`` is a module-level function of a test file. Each rank process imports that file by its
 path (``--import-mode=importlib`` leaves test files unimportable by name) and calls it with a
 :class:`Rank`: the 1-D tp mesh over all ranks plus helpers that compare a sharded module with its
-unsharded twin. An exception on any rank fails ``run`` with every failing rank's traceback; ranks
-left waiting in a collective are killed after ``timeout_s`` and the group restarts on the next run.
+unsharded twin; ``rank.context(tp_size=2, fsdp_size=2, ep_size=4)`` is the rank's
+``raymoe.runtime.RankContext`` of that layout (dense and expert meshes from ``build_meshes``),
+built once per process and layout. An exception on any rank fails ``run`` with every failing
+rank's traceback; ranks left waiting in a collective are killed after ``timeout_s`` and the group
+restarts on the next run.
 
 Rank processes run this file as a script (``python tests/distributed.py``), so the parent never
 imports torch for them and nothing depends on how pytest imported the tests.
@@ -183,6 +186,25 @@ class Rank:
         apply_tp_rules(twin, rules, self.mesh)
         return twin
 
+    def context(self, **config: Any) -> Any:
+        """This rank's ``RankContext`` of ``DistributedConfig(**config)`` over all ranks; meshes built on first use.
+
+        Building meshes creates process groups, so every rank must ask for the same layouts in the same order.
+        """
+        key = tuple(sorted(config.items()))
+        if key not in _CONTEXTS:
+            import torch
+
+            from raymoe.config import DistributedConfig
+            from raymoe.runtime import RankContext, build_meshes
+            from raymoe.topology import build_topology
+
+            topology = build_topology(DistributedConfig(**config), self.world_size)
+            dense, expert = build_meshes(topology, "cpu")
+            coords = topology.ranks[self.rank]
+            _CONTEXTS[key] = RankContext(topology, coords, torch.device("cpu"), "gloo", dense, expert)
+        return _CONTEXTS[key]
+
     def local_part(self, full: Any, dim: int) -> Any:
         """This rank's even chunk of ``full`` along ``dim``."""
         return full.chunk(self.world_size, dim=dim)[self.rank]
@@ -194,6 +216,19 @@ class Rank:
     def expect_close_rel(self, what: str, got: Any, want: Any) -> float:
         """Gradients: max abs difference / max abs of ``want`` <= 1e-5."""
         return self._expect(what, got, want, relative=True, tolerance=self.GRAD_RTOL)
+
+    def expect_close_norm(self, what: str, got: Any, want: Any) -> float:
+        """Gradients, norm-based: ||got - want|| / ||want|| <= 1e-5 (an all-zero ``want`` needs ||got|| <= 1e-5)."""
+        if tuple(got.shape) != tuple(want.shape):
+            raise AssertionError(f"{what}: shape {tuple(got.shape)} != expected {tuple(want.shape)}")
+        diff, scale = (got.detach() - want.detach()).norm().item(), want.detach().norm().item()
+        measured = diff / scale if scale > 0 else diff
+        _log_diff(what, measured, True)
+        if not measured <= self.GRAD_RTOL:
+            raise AssertionError(
+                f"{what}: norm-relative difference {measured:.3g} > {self.GRAD_RTOL:g} on rank {self.rank}"
+            )
+        return float(measured)
 
     def expect_same_grads(self, sharded: Any, full: Any) -> None:
         """Every parameter of ``full`` has a gradient, and ``sharded``'s, gathered, matches it."""
@@ -230,6 +265,7 @@ def _log_diff(what: str, measured: float, relative: bool) -> None:
 
 
 _CURRENT = [""]  # the check running on this rank, for the diff log
+_CONTEXTS: dict[tuple[tuple[str, Any], ...], Any] = {}  # Rank.context's layouts, kept for the process's life
 
 
 def _load(path: str, modules: dict[str, Any]) -> Any:

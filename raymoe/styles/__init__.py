@@ -1,14 +1,17 @@
 """Parallel styles: the base class, the registry plans name them through, and the built-in styles.
 
 Importing this package registers the built-in styles into :data:`STYLES` (one explicit call below,
-the table of every built-in name). The expert-parallel styles (``grouped_gemm``, ``ep_router``,
-``ep_dispatch_experts``) are not implemented yet and stay unregistered, as do the reference's
-DeepGEMM Mega-MoE styles, which need that GPU kernel (SPEC STYLE-3).
+the table of every built-in name). The reference's DeepGEMM Mega-MoE styles need that GPU kernel
+(SPEC STYLE-3) and stay unregistered.
+
+The registered ``ep_dispatch_experts`` is the tp = 1 instance; with tp > 1 a rank applies an instance
+bound to its own tp group, ``EpDispatchExpertsParallel(tp_mesh=ctx.mesh("tp"))``.
 """
 
 from torch.distributed.tensor import Replicate
 
 from raymoe.styles.base import ParallelStyle
+from raymoe.styles.expert import EpDispatchExpertsParallel, EpRouterParallel, GroupedGemmParallel
 from raymoe.styles.moe import MoeExpertsParallel, MoeIdentityParallel
 from raymoe.styles.registry import STYLES, StyleRegistry, register
 from raymoe.styles.tensor import (
@@ -47,6 +50,9 @@ def builtin_styles() -> dict[str, ParallelStyle]:
         "moe_tp_experts": MoeExpertsParallel(),
         "moe_identity_expert": MoeIdentityParallel(),
         "local_params": LocalParamsParallel(),
+        "grouped_gemm": GroupedGemmParallel(),
+        "ep_router": EpRouterParallel(),
+        "ep_dispatch_experts": EpDispatchExpertsParallel(),
     }
 
 

@@ -70,6 +70,12 @@ class StyleRegistry:
             reason = f"unknown style {name!r}"
         raise ValueError(f"{prefix}{reason}; registered styles: {known} [PLAN-4]")
 
+    def copy(self) -> StyleRegistry:
+        """A registry with the same entries, to rebind some of them without touching this one."""
+        duplicate = StyleRegistry()
+        duplicate._styles = dict(self._styles)
+        return duplicate
+
     def names(self) -> list[str]:
         return sorted(self._styles)
 

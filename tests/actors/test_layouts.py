@@ -15,7 +15,19 @@ LR, WEIGHT_DECAY, STEPS, ROWS, SEQ = 1e-3, 0.1, 3, 8, 10
 MASKED = {"model.layers.*.mlp.gate": "ep_router", "model.layers.*.mlp.experts": "moe_tp_experts"}
 
 LAYOUTS = {
+    # issue 6's acceptance list
+    "tp2-fsdp2-ep2": {"tp_size": 2, "fsdp_size": 2, "ep_size": 2},
+    "fsdp4-ep4": {"fsdp_size": 4, "ep_size": 4},
+    "fsdp4-ep2": {"fsdp_size": 4, "ep_size": 2},  # efsdp 2
+    "tp2-fsdp2-ep4": {"tp_size": 2, "fsdp_size": 2, "ep_size": 4},
+    "tp4-ep4": {"tp_size": 4, "ep_size": 4},
+    "tp4-ep4-masked": {"tp_size": 4, "ep_size": 4, "ep_plan": MASKED},
+    "dp_replicate2-fsdp2-ep2": {"dp_replicate_size": 2, "fsdp_size": 2, "ep_size": 2},
     "tp2-fsdp2": {"tp_size": 2, "fsdp_size": 2},
+    "tp4-fsdp2-ep4": {"tp_size": 4, "fsdp_size": 2, "ep_size": 4},
+    "fsdp8-ep4": {"fsdp_size": 8, "ep_size": 4},
+    "tp2-fsdp4-ep4": {"tp_size": 2, "fsdp_size": 4, "ep_size": 4},
+    # more data-parallel shapes
     "fsdp4": {"fsdp_size": 4},
     "dp_replicate2-fsdp2": {"dp_replicate_size": 2, "fsdp_size": 2},
     "dp_replicate2-tp2": {"dp_replicate_size": 2, "tp_size": 2},
@@ -83,3 +95,45 @@ def test_layout_trains_like_one_process(ray_session, tiny_checkpoint, load_hf_mo
 
 def test_gradient_accumulation_equals_one_big_step(ray_session, tiny_checkpoint, load_hf_model, tmp_path):
     check_layout({"fsdp_size": 2, "tp_size": 2}, tiny_checkpoint, load_hf_model, tmp_path, micro_batches=2)
+
+
+def starved_checkpoint(directory):
+    """Top-1 routing where experts 2 and 3 (the second ep rank's block under ep=2) never win: their router rows
+    are the mean of experts 0 and 1, so their logit never exceeds the larger of those two."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        num_experts=4,
+        num_experts_per_tok=1,
+        norm_topk_prob=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            router = layer.mlp.gate.weight
+            router[2:] = router[:2].mean(dim=0)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("config", [{"fsdp_size": 2, "ep_size": 2}, {"tp_size": 2, "fsdp_size": 2, "ep_size": 4}])
+def test_a_rank_whose_experts_get_no_tokens_trains_without_hang(
+    ray_session, tiny_checkpoint, load_hf_model, tmp_path, config
+):
+    checkpoint = starved_checkpoint(tmp_path / "starved")
+    metrics = check_layout(config, tiny_checkpoint, load_hf_model, tmp_path / "out", checkpoint=checkpoint)
+    # the first step routes as crafted (later steps move the router rows apart)
+    first = metrics[0]
+    assert all(layer[2] == layer[3] == 0 for layer in first["expert_load"])
+    starved_ranks = [r for r in range(len(first["rank_load"][0])) if r % config["ep_size"] >= config["ep_size"] // 2]
+    assert starved_ranks and all(layer[r] == 0 for layer in first["rank_load"] for r in starved_ranks)

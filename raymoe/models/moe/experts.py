@@ -34,12 +34,20 @@ class GroupedExperts(nn.Module):
 
         Pairs are sorted by expert so each expert's rows are contiguous, computed by
         :meth:`compute`, weighted, put back in (token, k) order and summed over ``k``.
+
+        A negative id marks a masked pair (expert-parallel masking: another rank's expert, see
+        ``raymoe.styles.expert``). It still runs, on expert ``id mod E``, so shapes stay static, but
+        contributes nothing: weight 0, and no gradient to its routing weight.
         """
         num_tokens, top_k = topk_ids_TK.shape
-        order_S = torch.argsort(topk_ids_TK.reshape(-1), stable=True)
-        counts_E = tokens_per_expert(topk_ids_TK, self.num_experts)
+        kept_TK = topk_ids_TK >= 0
+        expert_TK = torch.where(kept_TK, topk_ids_TK, topk_ids_TK.remainder(self.num_experts))
+        order_S = torch.argsort(expert_TK.reshape(-1), stable=True)
+        counts_E = tokens_per_expert(expert_TK, self.num_experts)
         out_SH = self.compute(hidden_TH[order_S // top_k], counts_E)
-        out_SH = out_SH * topk_weights_TK.reshape(-1)[order_S, None]
+        # Zeroed here, where the pair is known to be masked: a weight zeroed upstream would still get the
+        # masked expert's output as its gradient.
+        out_SH = out_SH * topk_weights_TK.masked_fill(~kept_TK, 0).reshape(-1)[order_S, None]
         unsort_S = torch.empty_like(order_S).scatter_(0, order_S, torch.arange(order_S.numel(), device=order_S.device))
         return out_SH[unsort_S].view(num_tokens, top_k, -1).sum(dim=1).to(hidden_TH.dtype)
 
