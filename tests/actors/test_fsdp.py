@@ -97,3 +97,25 @@ def test_expert_load_metrics_count_every_routed_token_once(ray_session, tiny_che
     # without expert parallelism each rank runs all experts on its own batch: 2 rows x 8 tokens x top-2
     assert metrics["rank_load"] == [[32] * 4] * len(expected)
     assert metrics["rank_imbalance"] == [1.0] * len(expected)
+
+
+def fsdp_units(ctx):
+    """Path of every FSDP unit -> whether it frees its gathered weights after forward, and its mesh size."""
+    model = rank_model(ctx)
+    units = {}
+    for path, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                units[path or "<root>"] = (group.post_forward_mesh_info is not None, group.mesh_info.mesh.size())
+    return units
+
+
+def test_fsdp_plan_and_expert_units_follow_the_layout(ray_session, tiny_checkpoint):
+    config = {"fsdp_size": 4, "ep_size": 2, "fsdp_plan": {"model.layers.*": "keep_full_weight"}}
+    with raymoe.from_pretrained(tiny_checkpoint(MOE), distributed_config=config) as model:
+        units = model._group.execute(fsdp_units)[0]
+    assert units["model.layers.0"] == (False, 4) and units["model.layers.1"] == (False, 4)  # the override
+    assert units["model.embed_tokens"] == (True, 4) and units["lm_head"] == (False, 4)  # the defaults
+    # experts: their own units over efsdp = fsdp * tp / ep = 2
+    assert units["model.layers.0.mlp.experts"] == (True, 2) and units["model.layers.1.mlp.experts"] == (True, 2)

@@ -31,6 +31,7 @@ LAYOUTS = {
     "fsdp4": {"fsdp_size": 4},
     "dp_replicate2-fsdp2": {"dp_replicate_size": 2, "fsdp_size": 2},
     "dp_replicate2-tp2": {"dp_replicate_size": 2, "tp_size": 2},
+    "fsdp2-ep2-plan-override": {"fsdp_size": 2, "ep_size": 2, "fsdp_plan": {"model.layers.*": "keep_full_weight"}},
 }
 
 
@@ -54,28 +55,32 @@ def global_batches(vocab, seed=0):
 
 
 def reference_training(hf_model, data):
+    """Losses and gradient norms of each step, and the trained model."""
     model = copy.deepcopy(hf_model).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    losses = []
+    losses, norms = [], []
     for ids, mask in data:
         loss = model(input_ids=ids, labels=ids.masked_fill(mask == 0, -100)).loss
         loss.backward()
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses, model
+    return losses, norms, model
 
 
 def check_layout(config, tiny_checkpoint, load_hf_model, tmp_path, checkpoint=MOE, micro_batches=1):
     directory = tiny_checkpoint(checkpoint) if isinstance(checkpoint, str) else checkpoint
     hf_model = load_hf_model(directory)
     data = global_batches(hf_model.config.vocab_size)
-    ref_losses, ref_model = reference_training(hf_model, data)
+    ref_losses, ref_norms, ref_model = reference_training(hf_model, data)
     with raymoe.from_pretrained(directory, distributed_config=DistributedConfig(**config)) as model:
         model.configure_training(lr=LR, weight_decay=WEIGHT_DECAY)
         metrics = [model.train_step(ids, attention_mask=mask, micro_batches=micro_batches) for ids, mask in data]
-        for step, (got, want) in enumerate(zip(metrics, ref_losses, strict=True)):
+        for step, (got, want, norm) in enumerate(zip(metrics, ref_losses, ref_norms, strict=True)):
             assert abs(got["loss"] - want) <= 1e-5 * abs(want), (step, got["loss"], want)
+            # the gradient norm spans both meshes, dense and expert (SPEC TRAIN-2)
+            assert abs(got["grad_norm"] - norm) <= 1e-5 * norm, (step, got["grad_norm"], norm)
         model.save_pretrained(tmp_path)
         trained = load_hf_model(tmp_path)
         reference = dict(ref_model.named_parameters())
