@@ -20,6 +20,7 @@ from torch import Tensor
 from actors.group import GroupOptions, RankGroup
 from raymoe.balance import expert_load_metrics
 from raymoe.batch import (
+    GlobalBatch,
     check_input_ids,
     check_sequence_length,
     make_global_batch,
@@ -27,6 +28,7 @@ from raymoe.batch import (
     split_micro_batches,
 )
 from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE
+from raymoe.evaluation import eval_loss
 from raymoe.generation import pad_token_for, trim_finished
 from raymoe.inference import forward_logits, generate_on_rank
 from raymoe.launch import LaunchSpec
@@ -155,16 +157,8 @@ class DistributedModel:
             raise RuntimeError("call configure_training(...) before train_step")
         if lr is not None:
             TrainingConfig(lr=lr)  # same rule as configure_training
-        batch = make_global_batch(input_ids, labels, attention_mask, self.model_config.vocab_size)
-        check_sequence_length(batch.input_ids.shape[1], self.model_config.max_position_embeddings)
-        if batch.num_label_tokens == 0:
-            raise ValueError("the batch has no label tokens to learn from (all labels are -100 or masked)")
-        ids_of_rank = split_by_rank(batch.input_ids, self.topology)
-        labels_of_rank = split_by_rank(batch.labels, self.topology)
-        args = [
-            (split_micro_batches(ids, labs, micro_batches), batch.num_label_tokens, lr)
-            for ids, labs in zip(ids_of_rank, labels_of_rank, strict=True)
-        ]
+        batch, micro_of_rank = self._labelled_batch(input_ids, labels, attention_mask, micro_batches)
+        args = [(micro, batch.num_label_tokens, lr) for micro in micro_of_rank]
         results: list[StepResult] = self._group.execute_per_rank(train_step, args)
         if lr is not None:
             self._training = TrainingConfig(**{**self._training.__dict__, "lr": lr})
@@ -180,6 +174,39 @@ class DistributedModel:
         if all(load is not None for load in loads) and loads:
             metrics.update(expert_load_metrics([load for load in loads if load is not None], self.topology))
         return metrics
+
+    def evaluate(
+        self,
+        input_ids: Tensor,
+        labels: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        micro_batches: int = 1,
+    ) -> dict[str, Any]:
+        """Mean loss over all label tokens of the global batch, forward only: no gradients, no optimizer step.
+
+        Batch handling as in :meth:`train_step`. Returns ``loss``, ``loss_sum`` and ``num_tokens``,
+        so the losses of several batches combine exactly: ``sum(loss_sum) / sum(num_tokens)``.
+        """
+        batch, micro_of_rank = self._labelled_batch(input_ids, labels, attention_mask, micro_batches)
+        results: list[float] = self._group.execute_per_rank(eval_loss, [(micro,) for micro in micro_of_rank])
+        # Every rank of a tp group holds the same rows: count each batch block once.
+        loss_sum = sum(results[ranks[0]] for ranks in self.topology.batch_ranks())
+        return {"loss": loss_sum / batch.num_label_tokens, "loss_sum": loss_sum, "num_tokens": batch.num_label_tokens}
+
+    def _labelled_batch(
+        self, input_ids: Tensor, labels: Tensor | None, attention_mask: Tensor | None, micro_batches: int
+    ) -> tuple[GlobalBatch, list[list[tuple[Tensor, Tensor]]]]:
+        """The checked global batch, and each rank's rows as ``(input_ids, labels)`` micro-batches."""
+        batch = make_global_batch(input_ids, labels, attention_mask, self.model_config.vocab_size)
+        check_sequence_length(batch.input_ids.shape[1], self.model_config.max_position_embeddings)
+        if batch.num_label_tokens == 0:
+            raise ValueError("the batch has no label tokens (all labels are -100 or masked)")
+        ids_of_rank = split_by_rank(batch.input_ids, self.topology)
+        labels_of_rank = split_by_rank(batch.labels, self.topology)
+        micro = [
+            split_micro_batches(ids, labs, micro_batches) for ids, labs in zip(ids_of_rank, labels_of_rank, strict=True)
+        ]
+        return batch, micro
 
     def save_pretrained(self, path: str | os.PathLike[str], max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> list[Path]:
         """Gather the weights into a hub-layout checkpoint at ``path`` (written by rank 0, on its node)."""

@@ -1,0 +1,198 @@
+"""Fine-tune a mixture-of-experts model with raymoe, end to end.
+
+    python examples/finetune.py                 the embedded default: a tiny Qwen3-MoE built here (no network),
+                                                trained on examples/data/corpus.txt over 4 CPU ranks
+    python examples/finetune.py --model Qwen/Qwen3-30B-A3B --dataset data.jsonl --tp-size 8 ...
+    ray job submit --working-dir . -- python examples/finetune.py ...      on the cluster the job runs in
+
+The driver connects to the Ray cluster it runs in (``RAY_ADDRESS``, as ``ray job submit`` sets it;
+a cluster started on this machine; else a new local instance). Bad input (a missing or empty
+dataset, a sequence longer than the model allows, sizes that do not fit the cluster) ends the
+run with one error line before any training step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import raymoe
+from actors.placement import PlacementError
+from raymoe.checkpoint import resolve_config_file
+from raymoe.models import load_model_config
+
+EXAMPLES = Path(__file__).resolve().parent
+DEFAULT_DATASET = EXAMPLES / "data" / "corpus.txt"
+# The embedded default's layout: 4 ranks, experts split over each tp pair (token dispatch), efsdp_size=2.
+DEFAULT_LAYOUT: dict[str, int] = {"tp_size": 2, "fsdp_size": 2, "ep_size": 2}
+EMBEDDED_MODEL = "embedded tiny Qwen3-MoE"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="finetune.py",
+        description="Fine-tune a (mixture-of-experts) causal LM sharded over Ray rank actors.",
+    )
+    data = parser.add_argument_group("model and data")
+    data.add_argument("--model", help="checkpoint directory or hub id (default: build the embedded tiny Qwen3-MoE)")
+    data.add_argument(
+        "--dataset",
+        type=Path,
+        default=DEFAULT_DATASET,
+        help=".jsonl, text, or pre-tokenized .npy (default: %(default)s)",
+    )
+    data.add_argument(
+        "--text-field", default="text", help="field holding the text in .jsonl records (default: %(default)s)"
+    )
+    data.add_argument("--seq-len", type=int, default=128, help="tokens per packed sequence (default: %(default)s)")
+    data.add_argument(
+        "--eval-fraction", type=float, default=0.1, help="share of sequences held out for eval (default: %(default)s)"
+    )
+    data.add_argument(
+        "--dtype", help="weights dtype on the ranks: float32, bfloat16 or float16 (default: the checkpoint's)"
+    )
+
+    layout = parser.add_argument_group(f"layout (unset sizes come from DEFAULT_LAYOUT: {DEFAULT_LAYOUT})")
+    layout.add_argument("--tp-size", type=int, help="tensor-parallel degree")
+    layout.add_argument("--fsdp-size", type=int, help="FSDP shard degree")
+    layout.add_argument("--ep-size", type=int, help="expert-parallel degree")
+    layout.add_argument("--dp-replicate-size", type=int, help="HSDP replicas (nodes)")
+    layout.add_argument(
+        "--cpus-per-rank", type=float, default=1.0, help="CPUs reserved per rank actor (default: %(default)s)"
+    )
+
+    train = parser.add_argument_group("training")
+    train.add_argument("--steps", type=int, default=80, help="optimizer steps (default: %(default)s)")
+    train.add_argument(
+        "--global-batch-size", type=int, default=8, help="sequences per optimizer step (default: %(default)s)"
+    )
+    train.add_argument(
+        "--grad-accum", type=int, default=1, help="micro-batches per step and data-parallel rank (default: %(default)s)"
+    )
+    train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)s)")
+    train.add_argument("--warmup-steps", type=int, help="linear warmup steps (default: a tenth of --steps)")
+    train.add_argument(
+        "--min-lr-ratio", type=float, default=0.1, help="final lr = lr * this (cosine decay) (default: %(default)s)"
+    )
+    train.add_argument("--weight-decay", type=float, default=0.01, help="(default: %(default)s)")
+    train.add_argument(
+        "--max-grad-norm", type=float, default=1.0, help="clip threshold; 0 turns clipping off (default: %(default)s)"
+    )
+    train.add_argument(
+        "--eval-every",
+        type=int,
+        default=20,
+        help="steps between evaluations; 0: only before/after (default: %(default)s)",
+    )
+    train.add_argument(
+        "--save-every", type=int, default=0, help="steps between checkpoints; 0: only at the end (default: %(default)s)"
+    )
+    train.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    train.add_argument(
+        "--output-dir",
+        type=Path,
+        default=Path("runs/finetune"),
+        help="checkpoint, metrics, plot (default: %(default)s)",
+    )
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser.parse_args(argv)
+
+
+def layout_of(args: argparse.Namespace) -> dict[str, int]:
+    """DEFAULT_LAYOUT with the sizes given on the command line replacing its entries."""
+    given = {
+        "tp_size": args.tp_size,
+        "fsdp_size": args.fsdp_size,
+        "ep_size": args.ep_size,
+        "dp_replicate_size": args.dp_replicate_size,
+    }
+    return {**DEFAULT_LAYOUT, **{name: size for name, size in given.items() if size is not None}}
+
+
+def prepare_model(args: argparse.Namespace) -> tuple[str, raymoe.TextTokenizer | None]:
+    """The checkpoint to load and its tokenizer; the embedded tiny model is built under ``--output-dir``."""
+    if args.model is None:
+        path = raymoe.build_tiny_checkpoint(args.output_dir / "base-model", seed=args.seed)
+        return str(path), raymoe.TextTokenizer.byte_level()
+    if args.dataset.suffix == ".npy":
+        return args.model, None  # pre-tokenized data needs no tokenizer
+    return args.model, raymoe.load_tokenizer(args.model)
+
+
+def check_seq_len(model: str, seq_len: int) -> None:
+    """The sequence-length rule, from config.json alone: before any actor starts."""
+    max_positions = load_model_config(resolve_config_file(model).parent).max_position_embeddings
+    if seq_len > max_positions:
+        raise ValueError(
+            f"--seq-len={seq_len} exceeds the model's max_position_embeddings={max_positions}; use at most that"
+        )
+
+
+def trainer_config(args: argparse.Namespace) -> raymoe.TrainerConfig:
+    return raymoe.TrainerConfig(
+        output_dir=args.output_dir,
+        steps=args.steps,
+        global_batch_size=args.global_batch_size,
+        gradient_accumulation_steps=args.grad_accum,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        min_lr_ratio=args.min_lr_ratio,
+        weight_decay=args.weight_decay,
+        max_grad_norm=args.max_grad_norm or None,
+        eval_every=args.eval_every or None,
+        save_every=args.save_every or None,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+
+
+def run(args: argparse.Namespace) -> raymoe.TrainSummary:
+    # Everything checkable without a cluster comes first: the data, the config, the sequence length.
+    config = trainer_config(args)
+    model_source, tokenizer = prepare_model(args)
+    data = raymoe.load_dataset(args.dataset, args.seq_len, tokenizer, text_field=args.text_field)
+    train_data, eval_data = data.split(args.eval_fraction)
+    check_seq_len(model_source, data.seq_len)
+    layout = layout_of(args)
+    name = EMBEDDED_MODEL if args.model is None else args.model
+    print(f"model {name}, layout {layout}, {data.num_sequences} sequences of {data.seq_len} tokens from {args.dataset}")
+    with raymoe.from_pretrained(
+        model_source, distributed_config=layout, dtype=args.dtype, cpus_per_rank=args.cpus_per_rank
+    ) as model:
+        print(model.describe())
+        trainer = raymoe.Trainer(model, train_data, config, eval_data=eval_data, tokenizer=tokenizer)
+        return trainer.fit()
+
+
+def print_summary(summary: raymoe.TrainSummary) -> None:
+    def loss(value: float | None) -> str:
+        return f"{value:.3f}" if value is not None else "-"
+
+    lines: list[tuple[str, Any]] = [
+        ("steps", summary.steps),
+        ("train loss", f"{loss(summary.first_loss)} -> {loss(summary.last_loss)} (first -> last step)"),
+        ("eval loss", f"{loss(summary.eval_loss_before)} -> {loss(summary.eval_loss_after)} (before -> after)"),
+        ("throughput", f"{summary.tokens_per_s:.0f} label tokens/s ({summary.num_tokens} tokens)"),
+        ("checkpoint", summary.checkpoint or "not saved"),
+        ("metrics", summary.metrics_file),
+        ("plot", summary.plot_file or "-"),
+    ]
+    print("\n".join(f"{key:>11}  {value}" for key, value in lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        summary = run(args)
+    except (ValueError, PlacementError) as exc:
+        # Bad input, or sizes the cluster cannot host: raised on the driver before any training step.
+        print(f"finetune.py: error: {exc}", file=sys.stderr)
+        return 2
+    print_summary(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

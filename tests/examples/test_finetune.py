@@ -1,0 +1,71 @@
+"""examples/finetune.py in this process on the session's local Ray: the embedded default learns, and bad input
+ends the run with one error line before any training step."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+from ray.util.state import list_actors
+
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "finetune.py"
+
+
+@pytest.fixture(scope="module")
+def finetune():
+    spec = importlib.util.spec_from_file_location("raymoe_example_finetune", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def rank_actors_alive(ray) -> list:
+    """RankActors alive in the session's cluster (named explicitly: other Ray instances may run on this machine)."""
+    address = ray.get_runtime_context().gcs_address
+    return [a for a in list_actors(address=address, filters=[("state", "=", "ALIVE")]) if a.class_name == "RankActor"]
+
+
+def test_embedded_default_loss_falls_and_artefacts_exist(ray_session, finetune, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert finetune.main(["--steps", "30", "--eval-every", "10", "--output-dir", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "layout {'tp_size': 2, 'fsdp_size': 2, 'ep_size': 2}" in printed and "ep_size=2   E0-3   E4-7" in printed
+    assert f"checkpoint  {out / 'checkpoint'}" in printed and f"plot  {out / 'metrics.png'}" in printed
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in records if "eval_loss" in r] == [0, 10, 20, 30]
+    assert len(steps) == 30 and all(r["num_tokens"] == 8 * 127 for r in steps)  # 8 full rows of 128 per step
+    assert evals[0] > 5.0 and evals[-1] < evals[0] - 1.5, evals  # from ~ln(264) down: it learns
+    assert sum(r["loss"] for r in steps[-5:]) / 5 < steps[0]["loss"] - 1.5
+    assert (out / "checkpoint" / "model.safetensors").is_file() and (out / "checkpoint" / "tokenizer.json").is_file()
+    assert (out / "metrics.png").stat().st_size > 10_000
+    assert not rank_actors_alive(ray_session)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--dataset", "absent.txt"], r"dataset file 'absent.txt' does not exist"),
+        (["--dataset", "{empty}"], r"dataset .*empty.txt is empty: it holds no text to train on"),
+        (["--seq-len", "1024"], r"--seq-len=1024 exceeds the model's max_position_embeddings=512"),
+        (["--steps", "0"], r"TrainerConfig: steps=0 must be an int >= 1"),
+        (["--tp-size", "2", "--fsdp-size", "8"], r"needs 16 rank slots of 1 CPUs in groups of 2 per node, cluster has"),
+    ],
+    ids=["missing_dataset", "empty_dataset", "seq_len_too_long", "bad_steps", "does_not_fit_the_cluster"],
+)
+def test_bad_input_is_one_error_before_any_step(ray_session, finetune, tmp_path, capsys, args, message):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    out = tmp_path / "run"
+    argv = [a.replace("{empty}", str(empty)) for a in args] + ["--output-dir", str(out), "--no-progress"]
+    assert finetune.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("finetune.py: error: "), err
+    assert re.search(message, err[0]), err[0]
+    assert not (out / "metrics.jsonl").exists()  # no step ran
+    assert not rank_actors_alive(ray_session)

@@ -1,0 +1,162 @@
+"""`ray job submit -- python examples/finetune.py` against a real Ray head on 127.0.0.1 with token authentication.
+
+The head runs in its own temp dir and on its own ports, so it never meets the pytest session's
+local Ray (``ray_session``). It is started with ``ray start --block`` and stopped by signalling
+that one process, which takes down the processes it started: ``ray stop`` would end every Ray
+on the machine, the session's included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from contextlib import closing, contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+JOB_TIMEOUT_S = 240
+STEPS = 4
+
+
+def free_port() -> int:
+    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def generate_token(home: Path) -> str:
+    """`ray get-auth-token --generate` with HOME pointed at ``home``: the user's ~/.ray is left alone."""
+    env = {**os.environ, "HOME": str(home)}
+    out = subprocess.run(
+        [BIN / "ray", "get-auth-token", "--generate"], env=env, capture_output=True, text=True, check=True, timeout=60
+    )
+    token = out.stdout.strip()
+    assert len(token) >= 32 and (home / ".ray" / "auth_token").read_text().strip() == token
+    return token
+
+
+def ray_env(token: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+    return env
+
+
+@contextmanager
+def ray_head(env: dict[str, str], temp_dir: Path):
+    """A head node with 8 CPUs and a dashboard on 127.0.0.1; yields the dashboard URL."""
+    dashboard = free_port()
+    command = [
+        BIN / "ray", "start", "--head", "--block", "--disable-usage-stats",
+        "--node-ip-address=127.0.0.1", f"--port={free_port()}", "--num-cpus=8",
+        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+        f"--dashboard-agent-listen-port={free_port()}", f"--ray-client-server-port={free_port()}",
+        f"--temp-dir={temp_dir}",
+    ]  # fmt: skip
+    log = (temp_dir.parent / "ray-start.log").open("w")
+    head = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{dashboard}"
+        wait_for_dashboard(url, env["RAY_AUTH_TOKEN"], head)
+        yield url
+    finally:
+        stop_head(head)
+        log.close()
+
+
+def wait_for_dashboard(url: str, token: str, head: subprocess.Popen, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if head.poll() is not None:
+            raise RuntimeError(f"ray start exited with {head.returncode}")
+        try:
+            if get(f"{url}/api/jobs/", token) == 200:
+                return
+        except (urllib.error.URLError, ConnectionError):
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"the Ray dashboard at {url} did not answer within {timeout_s}s")
+
+
+def stop_head(head: subprocess.Popen) -> None:
+    """SIGTERM to `ray start --block` makes it stop the Ray processes it started; SIGKILL its group if stuck."""
+    if head.poll() is None:
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait(timeout=30)
+
+
+def get(url: str, token: str | None) -> int:
+    """The HTTP status of a GET, with the token as bearer when given."""
+    try:
+        with urllib.request.urlopen(request(url, token), timeout=10) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+def get_json(url: str, token: str) -> dict:
+    with urllib.request.urlopen(request(url, token), timeout=10) as response:
+        return json.loads(response.read())
+
+
+def request(url: str, token: str | None) -> urllib.request.Request:
+    return urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+
+
+def ray_cli(env: dict[str, str], *args: str, timeout_s: float = 120) -> str:
+    out = subprocess.run([BIN / "ray", *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+    assert out.returncode == 0, f"ray {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}"
+    return out.stdout + out.stderr
+
+
+def wait_for_job(url: str, token: str, job_id: str) -> tuple[str, str]:
+    """The job's final status (or TIMEOUT) and its logs, through the Jobs REST API."""
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    status = "PENDING"
+    while time.monotonic() < deadline:
+        status = get_json(f"{url}/api/jobs/{job_id}", token)["status"]
+        if status in ("SUCCEEDED", "FAILED", "STOPPED"):
+            break
+        time.sleep(2)
+    else:
+        status = "TIMEOUT"
+    return status, get_json(f"{url}/api/jobs/{job_id}/logs", token)["logs"]
+
+
+def test_ray_job_submit_runs_the_example_on_the_cluster(tmp_path):
+    home, out_dir = tmp_path / "home", tmp_path / "out"
+    home.mkdir()
+    env = ray_env(generate_token(home))
+    # A short temp dir: Ray's unix sockets live under it and their paths must stay under 108 bytes.
+    with tempfile.TemporaryDirectory(prefix="rmj") as temp_dir, ray_head(env, Path(temp_dir) / "ray") as url:
+        assert get(f"{url}/api/jobs/", token=None) == 401  # token authentication is on
+        job_id = "raymoe-finetune-test"
+        ray_cli(
+            env, "job", "submit", "--address", url, "--submission-id", job_id, "--no-wait",
+            "--working-dir", str(REPO), "--",
+            "python", "examples/finetune.py", "--steps", str(STEPS), "--eval-every", "0",
+            "--output-dir", str(out_dir), "--no-progress",
+        )  # fmt: skip
+        state, logs = wait_for_job(url, env["RAY_AUTH_TOKEN"], job_id)
+        assert state == "SUCCEEDED", logs
+
+    assert "Connected to Ray cluster" in logs  # the driver joined the cluster it was submitted to
+    assert "train loss" in logs and "checkpoint" in logs
+    checkpoint = out_dir / "checkpoint"
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in checkpoint.iterdir()}
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, STEPS + 1))
+    assert all(r["num_tokens"] > 0 and r["tokens_per_s"] > 0 for r in records if "loss" in r)
+    assert (out_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
