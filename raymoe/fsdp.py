@@ -56,8 +56,21 @@ def apply_fsdp(model: nn.Module, plans: ResolvedPlans, ctx: RankContext) -> None
     for path in expert_modules(plans) if (config.ep_size or 1) > 1 else []:
         shard(model.get_submodule(path), _data_parallel_mesh(ctx, Axis.EFSDP))
     # The fsdp_plan applies only with data parallelism; without it the root unit still carries the policies.
-    for path, strategy in _children_first(plans.fsdp_rules) if config.dp_size > 1 else []:
-        shard(model.get_submodule(path), dense_mesh, RESHARD_AFTER_FORWARD[strategy])
+    rules = plans.fsdp_rules if config.dp_size > 1 else {}
+    tail = _keep_group(model, rules)
+    for path, strategy in _children_first(rules):
+        if path not in tail:
+            shard(model.get_submodule(path), dense_mesh, RESHARD_AFTER_FORWARD[strategy])
+    if tail:
+        # The single modules that keep their gathered weights (the final norm and the head) form
+        # one unit: one all-gather in forward, none in backward, one reduce-scatter.
+        fully_shard(
+            [model.get_submodule(path) for path in tail],
+            mesh=dense_mesh,
+            reshard_after_forward=False,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+        )
     shard(model, dense_mesh)
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -91,6 +104,20 @@ def _data_parallel_mesh(ctx: RankContext, shard_axis: Axis) -> DeviceMesh:
     if ctx.topology.axis_size(Axis.DP_REPLICATE) > 1:
         return parent[(Axis.DP_REPLICATE.value, shard_axis.value)]
     return parent[shard_axis.value]
+
+
+def _keep_group(model: nn.Module, rules: dict[str, str]) -> list[str]:
+    """``keep_full_weight`` rules that can share one FSDP unit: single modules (not blocks of a
+    ``ModuleList``, whose own units let backward reduce-scatter each block as soon as it is done)
+    not nested in a ``free_full_weight`` unit."""
+    freed = [path for path, strategy in rules.items() if RESHARD_AFTER_FORWARD[strategy]]
+    return [
+        path
+        for path, strategy in rules.items()
+        if not RESHARD_AFTER_FORWARD[strategy]
+        and not isinstance(model.get_submodule(path.rpartition(".")[0]), nn.ModuleList)
+        and not any(path.startswith(f"{f}.") for f in freed)
+    ]
 
 
 def _children_first(rules: dict[str, str]) -> Iterable[tuple[str, str]]:

@@ -117,7 +117,7 @@ def resolve_plans(
     fsdp_rules = _expand("fsdp", fsdp_plan, names)
     _check_fsdp_targets(fsdp_rules, names)
 
-    if tp_active or ep_active:
+    if tp_active:  # without TP every dense parameter is whole by design; only TP leaves surprises
         _warn_uncovered(names.params, {**tp_rules, **ep_rules})
     _validate_params(model, "tp", tp_rules, config.tp_size, registry)
     _validate_params(model, "ep", ep_rules, config.ep_size or 1, registry)

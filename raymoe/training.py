@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from raymoe.fsdp import expert_modules
 from raymoe.loading import rank_model
@@ -72,8 +72,9 @@ def configure_training(ctx: RankContext, config: TrainingConfig) -> None:
     """A fresh AdamW over this rank's parameters, one group per mesh (dense, expert); replaces earlier state."""
     model = rank_model(ctx)
     groups = [{"params": params, "mesh": name} for name, params in parameter_groups(model, ctx).items() if params]
+    # foreach: one multi-tensor op per update step instead of one DTensor dispatch per parameter
     ctx.state["optimizer"] = torch.optim.AdamW(
-        groups, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
+        groups, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay, foreach=True
     )
     ctx.state["training"] = config
     for router in routers(model):
@@ -81,13 +82,17 @@ def configure_training(ctx: RankContext, config: TrainingConfig) -> None:
 
 
 def parameter_groups(model: nn.Module, ctx: RankContext) -> dict[str, list[nn.Parameter]]:
-    """``dense`` and ``expert`` parameters (SPEC TRAIN-2); experts count as dense without expert parallelism."""
+    """One group per mesh (SPEC TRAIN-2): ``dense`` and ``expert`` DTensor parameters, and ``replicated``
+    plain tensors (tensor parallelism without FSDP leaves norms unsharded), since a multi-tensor
+    optimizer step cannot mix DTensors and plain tensors. Experts count as dense without EP."""
     spec = ctx.state["spec"]
     expert_paths = set(expert_modules(spec.plans)) if (ctx.topology.config.ep_size or 1) > 1 else set()
-    groups: dict[str, list[nn.Parameter]] = {"dense": [], "expert": []}
+    groups: dict[str, list[nn.Parameter]] = {"dense": [], "expert": [], "replicated": []}
     for name, param in model.named_parameters():
-        owner = name.rpartition(".")[0]
-        groups["expert" if owner in expert_paths else "dense"].append(param)
+        if not isinstance(param, DTensor):
+            groups["replicated"].append(param)
+        else:
+            groups["expert" if name.rpartition(".")[0] in expert_paths else "dense"].append(param)
     return groups
 
 
@@ -143,20 +148,27 @@ def _expert_load(model: nn.Module) -> Tensor | None:
 def grad_norm(params: list[nn.Parameter]) -> Tensor:
     """The 2-norm of all gradients as one vector, over both meshes (SPEC TRAIN-2).
 
-    Squares are summed locally per layout (mesh and placements), then reduced once per layout
-    by DTensor, which sums over sharded mesh axes and not over replicated ones.
+    Squares of the local shards are summed with plain tensor ops per layout (mesh, placements);
+    each layout's sum is then reduced once, over the mesh axes its gradients are sharded on
+    (a sharded axis holds different pieces, a replicated one the same piece).
     """
-    per_layout: dict[tuple[object, ...], Tensor] = {}
+    locals_by_layout: dict[tuple[object, ...], list[Tensor]] = {}
+    layouts: dict[tuple[object, ...], DTensor | None] = {}
     for param in params:
         grad = param.grad
         assert grad is not None
-        square = grad.float().pow(2).sum()
-        key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else ("local",)
-        per_layout[key] = per_layout[key] + square if key in per_layout else square
+        key: tuple[object, ...] = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else ("local",)
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        locals_by_layout.setdefault(key, []).append(local)
+        layouts.setdefault(key, grad if isinstance(grad, DTensor) else None)
     total = torch.zeros((), dtype=torch.float32)
-    for square in per_layout.values():
-        full = square.full_tensor() if isinstance(square, DTensor) else square
-        total = total + full.cpu()
+    for key, local_grads in locals_by_layout.items():
+        square = torch.stack(torch._foreach_norm(local_grads, 2, dtype=torch.float32)).pow(2).sum()
+        example = layouts[key]
+        if example is not None:
+            summed_over = [Replicate() if p.is_replicate() else Partial() for p in example.placements]
+            square = DTensor.from_local(square, example.device_mesh, summed_over, run_check=False).full_tensor()
+        total = total + square.cpu()
     return total.sqrt()
 
 

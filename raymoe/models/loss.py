@@ -19,9 +19,10 @@ def causal_lm_loss(
     lets data-parallel ranks divide by the token count of the whole global batch instead of
     their own, so the mean over all ranks equals one process's mean.
     """
-    logits_NV = logits_BSV[:, :-1].float().reshape(-1, logits_BSV.shape[-1])
-    targets_N = labels_BS[:, 1:].reshape(-1)
-    return F.cross_entropy(logits_NV, targets_N, ignore_index=ignore_index, reduction=reduction)
+    # Shift the labels, not the logits: slicing [B, S, V] logits would copy them (and their gradient).
+    targets_BS = F.pad(labels_BS[:, 1:], (0, 1), value=ignore_index)
+    logits_NV = logits_BSV.float().reshape(-1, logits_BSV.shape[-1])
+    return F.cross_entropy(logits_NV, targets_BS.reshape(-1), ignore_index=ignore_index, reduction=reduction)
 
 
 def count_label_tokens(labels_BS: Tensor, ignore_index: int = IGNORE_INDEX) -> int:

@@ -100,22 +100,28 @@ def test_expert_load_metrics_count_every_routed_token_once(ray_session, tiny_che
 
 
 def fsdp_units(ctx):
-    """Path of every FSDP unit -> whether it frees its gathered weights after forward, and its mesh size."""
+    """Path of every FSDP module -> whether its unit frees its gathered weights after forward, its mesh
+    size, and the unit's id (modules wrapped together share one)."""
     model = rank_model(ctx)
     units = {}
     for path, module in model.named_modules():
         if isinstance(module, FSDPModule):
             group = module._get_fsdp_state()._fsdp_param_group
             if group is not None:
-                units[path or "<root>"] = (group.post_forward_mesh_info is not None, group.mesh_info.mesh.size())
+                frees = group.post_forward_mesh_info is not None
+                units[path or "<root>"] = (frees, group.mesh_info.mesh.size(), id(group))
     return units
 
 
 def test_fsdp_plan_and_expert_units_follow_the_layout(ray_session, tiny_checkpoint):
     config = {"fsdp_size": 4, "ep_size": 2, "fsdp_plan": {"model.layers.*": "keep_full_weight"}}
     with raymoe.from_pretrained(tiny_checkpoint(MOE), distributed_config=config) as model:
-        units = model._group.execute(fsdp_units)[0]
+        found = model._group.execute(fsdp_units)[0]
+    units = {path: unit[:2] for path, unit in found.items()}
     assert units["model.layers.0"] == (False, 4) and units["model.layers.1"] == (False, 4)  # the override
     assert units["model.embed_tokens"] == (True, 4) and units["lm_head"] == (False, 4)  # the defaults
     # experts: their own units over efsdp = fsdp * tp / ep = 2
     assert units["model.layers.0.mlp.experts"] == (True, 2) and units["model.layers.1.mlp.experts"] == (True, 2)
+    # the final norm and the head share one unit; each block keeps its own so backward can overlap
+    assert found["model.norm"][2] == found["lm_head"][2]
+    assert len({found[path][2] for path in ("model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head")}) == 4
