@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from _model_shape import add_shape_args, save_checkpoint
 
 LAYOUTS = {
     "fsdp2": {"fsdp_size": 2},
@@ -37,24 +38,6 @@ LAYOUTS = {
     "tp2-ep2": {"tp_size": 2, "ep_size": 2},
 }
 TORCHRUN_SCRIPT = Path(__file__).with_name("_torchrun_transformers.py")
-
-
-def make_checkpoint(directory: Path, args: argparse.Namespace) -> None:
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=4 * args.hidden,
-        moe_intermediate_size=args.moe_intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.heads,
-        head_dim=args.hidden // args.heads,
-        num_experts=args.experts,
-        num_experts_per_tok=args.top_k,
-        norm_topk_prob=True,
-    )
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
 
 
 def batches(args: argparse.Namespace) -> list[torch.Tensor]:
@@ -138,22 +121,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--experts", type=int, default=16)
-    parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--moe-intermediate", type=int, default=128)
+    add_shape_args(parser, heads=4, kv_heads=4)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     args = parser.parse_args()
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
-        make_checkpoint(directory, args)
+        save_checkpoint(directory, args)
         data = batches(args)
         rows = [
             ("one process", "transformers", tokens_per_s(one_process_transformers(directory, data), args)),

@@ -22,28 +22,13 @@ from pathlib import Path
 
 import torch
 import transformers
+from _model_shape import add_shape_args, save_checkpoint
 
 from raymoe.checkpoint import load_model
 from raymoe.models import causal_lm_loss
 from raymoe.models.moe import GemmBackend, GroupedExperts
 
 Step = Callable[[], float]  # runs one training step, returns its loss
-
-
-def _config(args: argparse.Namespace) -> transformers.Qwen3MoeConfig:
-    return transformers.Qwen3MoeConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=4 * args.hidden,
-        moe_intermediate_size=args.moe_intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        head_dim=args.hidden // args.heads,
-        num_experts=args.experts,
-        num_experts_per_tok=args.top_k,
-        norm_topk_prob=True,
-    )
 
 
 def _raymoe_step(directory: Path, backend: GemmBackend, input_ids: torch.Tensor, dtype: torch.dtype) -> Step:
@@ -81,16 +66,7 @@ def _transformers_step(directory: Path, experts: str, input_ids: torch.Tensor, d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per variant (after 2 warm-up steps)")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--experts", type=int, default=16)
-    parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--moe-intermediate", type=int, default=128)
+    add_shape_args(parser, heads=8, kv_heads=2)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = parser.parse_args()
@@ -98,11 +74,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
 
-    torch.manual_seed(0)
-    input_ids = torch.randint(0, args.vocab, (args.batch, args.seq))
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
-        transformers.AutoModelForCausalLM.from_config(_config(args)).save_pretrained(directory)
+        save_checkpoint(directory, args)
+        torch.manual_seed(0)
+        input_ids = torch.randint(0, args.vocab, (args.batch, args.seq))
         variants: dict[str, Step] = {
             "raymoe (auto -> torch._grouped_mm)": _raymoe_step(directory, "auto", input_ids, dtype),
             "raymoe (padded bmm)": _raymoe_step(directory, "padded", input_ids, dtype),

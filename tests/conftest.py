@@ -6,6 +6,7 @@ style tests, and tiny random transformers checkpoints as the numerical reference
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -230,6 +231,32 @@ def make_hf_model() -> Callable[..., transformers.PreTrainedModel]:
 def load_hf_model() -> Callable[[Path], transformers.PreTrainedModel]:
     """``load_hf_model(directory)``: transformers' ``from_pretrained`` in fp32, eval mode, eager experts."""
     return _load_hf_model
+
+
+def _reference_training(
+    hf_model: transformers.PreTrainedModel,
+    data: list[tuple[torch.Tensor, torch.Tensor]],
+    lr: float,
+    weight_decay: float,
+) -> tuple[list[float], list[float], transformers.PreTrainedModel]:
+    model = copy.deepcopy(hf_model).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    losses, norms = [], []
+    for ids, mask in data:
+        loss = model(input_ids=ids, labels=ids.masked_fill(mask == 0, -100)).loss
+        loss.backward()
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, norms, model
+
+
+@pytest.fixture(scope="session")
+def reference_training() -> Callable[..., tuple[list[float], list[float], transformers.PreTrainedModel]]:
+    """``reference_training(hf_model, [(ids, mask), ...], lr, weight_decay)``: transformers in one process,
+    AdamW, loss = mean over the label tokens (mask 0 -> label -100) -> losses, gradient norms, trained copy."""
+    return _reference_training
 
 
 @pytest.fixture(scope="session")

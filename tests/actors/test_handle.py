@@ -1,7 +1,5 @@
 """raymoe.from_pretrained on a local Ray: one rank and data-parallel replicas against transformers in one process."""
 
-import copy
-
 import pytest
 import torch
 from ray.util.state import list_actors
@@ -31,21 +29,6 @@ def batches(vocab, seed=0):
     return out
 
 
-def reference_training(hf_model, data):
-    """transformers in one process: mean loss over all label tokens, AdamW, same hyper-parameters."""
-    model = copy.deepcopy(hf_model).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    losses = []
-    for ids, mask in data:
-        labels = ids.masked_fill(mask == 0, -100)
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, model
-
-
 def assert_close_rel(actual, expected, rel, what):
     """Relative error of the whole tensor: ||actual - expected|| / ||expected||."""
     err = (torch.linalg.vector_norm(actual - expected) / torch.linalg.vector_norm(expected).clamp_min(1e-12)).item()
@@ -57,11 +40,13 @@ def assert_close_rel(actual, expected, rel, what):
     [{}, {"dp_replicate_size": 2}],
     ids=["one_rank", "dp_replicate2"],
 )
-def test_logits_training_and_save_equal_one_process(ray_session, tiny_checkpoint, load_hf_model, config, tmp_path):
+def test_logits_training_and_save_equal_one_process(
+    ray_session, tiny_checkpoint, load_hf_model, reference_training, config, tmp_path
+):
     directory = tiny_checkpoint(MOE)
     hf_model = load_hf_model(directory)
     data = batches(hf_model.config.vocab_size)
-    ref_losses, ref_model = reference_training(hf_model, data)
+    ref_losses, _, ref_model = reference_training(hf_model, data, LR, WEIGHT_DECAY)
     ids = data[0][0]
 
     with raymoe.from_pretrained(directory, distributed_config=DistributedConfig(**config)) as model:

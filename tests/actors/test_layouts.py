@@ -2,8 +2,6 @@
 losses and, gathered, the weights of transformers in one process; the saved checkpoint loads in transformers
 and gives the handle's logits."""
 
-import copy
-
 import pytest
 import torch
 
@@ -54,26 +52,11 @@ def global_batches(vocab, seed=0):
     return out
 
 
-def reference_training(hf_model, data):
-    """Losses and gradient norms of each step, and the trained model."""
-    model = copy.deepcopy(hf_model).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    losses, norms = [], []
-    for ids, mask in data:
-        loss = model(input_ids=ids, labels=ids.masked_fill(mask == 0, -100)).loss
-        loss.backward()
-        norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, norms, model
-
-
-def check_layout(config, tiny_checkpoint, load_hf_model, tmp_path, checkpoint=MOE, micro_batches=1):
+def check_layout(config, tiny_checkpoint, load_hf_model, reference_training, tmp_path, checkpoint=MOE, micro_batches=1):
     directory = tiny_checkpoint(checkpoint) if isinstance(checkpoint, str) else checkpoint
     hf_model = load_hf_model(directory)
     data = global_batches(hf_model.config.vocab_size)
-    ref_losses, ref_norms, ref_model = reference_training(hf_model, data)
+    ref_losses, ref_norms, ref_model = reference_training(hf_model, data, LR, WEIGHT_DECAY)
     with raymoe.from_pretrained(directory, distributed_config=DistributedConfig(**config)) as model:
         model.configure_training(lr=LR, weight_decay=WEIGHT_DECAY)
         metrics = [model.train_step(ids, attention_mask=mask, micro_batches=micro_batches) for ids, mask in data]
@@ -93,13 +76,18 @@ def check_layout(config, tiny_checkpoint, load_hf_model, tmp_path, checkpoint=MO
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_trains_like_one_process(ray_session, tiny_checkpoint, load_hf_model, tmp_path, layout):
-    metrics = check_layout(LAYOUTS[layout], tiny_checkpoint, load_hf_model, tmp_path)
+def test_layout_trains_like_one_process(
+    ray_session, tiny_checkpoint, load_hf_model, reference_training, tmp_path, layout
+):
+    metrics = check_layout(LAYOUTS[layout], tiny_checkpoint, load_hf_model, reference_training, tmp_path)
     assert all(m["num_tokens"] > 0 and m["grad_norm"] > 0 for m in metrics)
 
 
-def test_gradient_accumulation_equals_one_big_step(ray_session, tiny_checkpoint, load_hf_model, tmp_path):
-    check_layout({"fsdp_size": 2, "tp_size": 2}, tiny_checkpoint, load_hf_model, tmp_path, micro_batches=2)
+def test_gradient_accumulation_equals_one_big_step(
+    ray_session, tiny_checkpoint, load_hf_model, reference_training, tmp_path
+):
+    layout = {"fsdp_size": 2, "tp_size": 2}
+    check_layout(layout, tiny_checkpoint, load_hf_model, reference_training, tmp_path, micro_batches=2)
 
 
 def starved_checkpoint(directory):
@@ -133,10 +121,11 @@ def starved_checkpoint(directory):
 
 @pytest.mark.parametrize("config", [{"fsdp_size": 2, "ep_size": 2}, {"tp_size": 2, "fsdp_size": 2, "ep_size": 4}])
 def test_a_rank_whose_experts_get_no_tokens_trains_without_hang(
-    ray_session, tiny_checkpoint, load_hf_model, tmp_path, config
+    ray_session, tiny_checkpoint, load_hf_model, reference_training, tmp_path, config
 ):
     checkpoint = starved_checkpoint(tmp_path / "starved")
-    metrics = check_layout(config, tiny_checkpoint, load_hf_model, tmp_path / "out", checkpoint=checkpoint)
+    out = tmp_path / "out"
+    metrics = check_layout(config, tiny_checkpoint, load_hf_model, reference_training, out, checkpoint=checkpoint)
     # the first step routes as crafted (later steps move the router rows apart)
     first = metrics[0]
     assert all(layer[2] == layer[3] == 0 for layer in first["expert_load"])
