@@ -4,7 +4,9 @@ Applied after the TP and EP rules (torchtitan's order: TP/EP -> FSDP2), with
 ``torch.distributed.fsdp.fully_shard``::
 
     experts (EP on)   fully_shard over (dp_replicate, efsdp)   params: Shard(0) over ep, then over efsdp
-    fsdp_plan rules   fully_shard over (dp_replicate, fsdp)    dense params, 2-D with TP DTensors
+    fsdp_plan rules   fully_shard over (dp_replicate, fsdp)    dense params, 2-D with TP DTensors;
+                                                               one unit per rule, except that the single
+                                                               keep_full_weight modules (norm, head) share one
     the model         fully_shard over (dp_replicate, fsdp)    whatever no rule took (root)
 
 A 2-D data-parallel mesh is HSDP: reduce-scatter inside a replica, all-reduce across replicas.
