@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from raymoe.fsdp import reshard
 from raymoe.loading import rank_model
 from raymoe.models.loss import causal_lm_loss
 from raymoe.runtime import RankContext
+from raymoe.vocab_parallel import vocab_parallel_loss, whole
 
 
 @torch.no_grad()
@@ -27,10 +27,9 @@ def eval_loss(ctx: RankContext, micro_batches: list[tuple[Tensor, Tensor]]) -> f
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float32)
     for input_ids_BS, labels_BS in micro_batches:
-        logits = model(input_ids_BS.to(ctx.device))
-        if isinstance(logits, DTensor):
-            logits = logits.full_tensor()
-        loss_sum += causal_lm_loss(logits, labels_BS.to(ctx.device), reduction="sum").float().cpu()
+        with vocab_parallel_loss(model):
+            logits = model(input_ids_BS.to(ctx.device))
+            loss_sum += whole(causal_lm_loss(logits, labels_BS.to(ctx.device), reduction="sum")).float().cpu()
     # FSDP units keep their gathered weights after a no-grad forward; a later train step must not use them.
     reshard(model)
     return float(loss_sum)

@@ -144,6 +144,12 @@ def _as_parameter(tensor: Tensor, original: Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=original.requires_grad)
 
 
+def applied_style(module: nn.Module) -> ParallelStyle | None:
+    """The style whose hooks wrap ``module``'s forward, or None."""
+    style = getattr(module, _APPLIED_STYLE_ATTR, None)
+    return style if isinstance(style, ParallelStyle) else None
+
+
 def _wrap_forward(path: str, module: nn.Module, style: ParallelStyle, mesh: DeviceMesh) -> None:
     if hasattr(module, _APPLIED_STYLE_ATTR):
         raise ValueError(f"{path or 'the model'} already runs {getattr(module, _APPLIED_STYLE_ATTR)!r}")

@@ -23,6 +23,7 @@ from raymoe.loading import rank_model
 from raymoe.models.loss import causal_lm_loss
 from raymoe.models.moe.router import TopKRouter
 from raymoe.runtime import RankContext
+from raymoe.vocab_parallel import vocab_parallel_loss, whole
 
 
 @dataclass(frozen=True)
@@ -120,10 +121,11 @@ def train_step(
     for index, (input_ids_BS, labels_BS) in enumerate(micro_batches):
         if isinstance(model, FSDPModule):
             model.set_requires_gradient_sync(index == len(micro_batches) - 1)
-        logits = model(input_ids_BS.to(ctx.device))
-        micro_loss = causal_lm_loss(logits, labels_BS.to(ctx.device), reduction="sum")
-        # FSDP2 sums the gradients over data-parallel ranks (raymoe.fsdp), giving one process's gradient.
-        (micro_loss / global_tokens).backward()
+        with vocab_parallel_loss(model):
+            logits = model(input_ids_BS.to(ctx.device))
+            micro_loss = whole(causal_lm_loss(logits, labels_BS.to(ctx.device), reduction="sum"))
+            # FSDP2 sums the gradients over data-parallel ranks (raymoe.fsdp), giving one process's gradient.
+            (micro_loss / global_tokens).backward()
         loss_sum += micro_loss.detach().float().cpu()
         load = _expert_load(model)
         expert_load = load if expert_load is None or load is None else expert_load + load

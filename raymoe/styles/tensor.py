@@ -161,10 +161,26 @@ class ColwiseParallel(ShardingStyle):
         )
 
     def transform_output_post_forward(self, module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
+        if getattr(module, _KEEP_OUTPUT_SHARDED_ATTR, False):
+            return DTensor.from_local(output, mesh, [self.local_output_layout()], run_check=False)
         return redistribute_local(output, mesh, self.local_output_layout(), self.output_layout)
+
+    @contextmanager
+    def output_kept_sharded(self, module: nn.Module) -> Iterator[None]:
+        """Within the block, ``module``'s forward returns its output as a DTensor in the local layout
+        (``[.., out]`` Shard(-1) over tp) instead of moving it to ``output_layout``, so a consumer that
+        works on shards (a vocabulary-parallel loss) skips the all-gather."""
+        setattr(module, _KEEP_OUTPUT_SHARDED_ATTR, True)
+        try:
+            yield
+        finally:
+            delattr(module, _KEEP_OUTPUT_SHARDED_ATTR)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(output_layout={self.output_layout})"
+
+
+_KEEP_OUTPUT_SHARDED_ATTR = "_raymoe_keep_output_sharded"
 
 
 class PackedColwiseParallel(ColwiseParallel):

@@ -104,12 +104,18 @@ def sleep_then_barrier(ctx, seconds):
 def test_killed_rank_is_reported_within_seconds(ray_session):
     group = start(ray_session, fsdp_size=2, dp_replicate_size=2)
     victim = group._actors[1]
-    killer = threading.Timer(2.0, lambda: ray_session.kill(victim, no_restart=True))
-    killer.start()
-    began = time.monotonic()
+    killed_at = []
+
+    def kill():
+        killed_at.append(time.monotonic())
+        ray_session.kill(victim, no_restart=True)
+
+    threading.Timer(2.0, kill).start()
     with pytest.raises(RankError, match=r"rank 1 \(dp_replicate=0, fsdp=1.*failed in sleep_then_barrier: ActorDied"):
         group.execute(sleep_then_barrier, 120)
-    assert time.monotonic() - began < 30
+    detected_after = time.monotonic() - killed_at[0]
+    print(f"killed rank reported {detected_after:.2f} s after ray.kill")  # shown with -s
+    assert detected_after < 10  # measured 0.01 s here; the other ranks wait in a 120 s barrier
     _eventually(lambda: not alive_actors() and not live_placement_groups())
 
 
