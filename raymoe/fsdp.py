@@ -111,14 +111,13 @@ def _data_parallel_mesh(ctx: RankContext, shard_axis: Axis) -> DeviceMesh:
 def _keep_group(model: nn.Module, rules: dict[str, str]) -> list[str]:
     """``keep_full_weight`` rules that can share one FSDP unit: single modules (not blocks of a
     ``ModuleList``, whose own units let backward reduce-scatter each block as soon as it is done)
-    not nested in a ``free_full_weight`` unit."""
-    freed = [path for path, strategy in rules.items() if RESHARD_AFTER_FORWARD[strategy]]
+    not nested in the module of another rule (that unit already holds their parameters)."""
     return [
         path
         for path, strategy in rules.items()
         if not RESHARD_AFTER_FORWARD[strategy]
         and not isinstance(model.get_submodule(path.rpartition(".")[0]), nn.ModuleList)
-        and not any(path.startswith(f"{f}.") for f in freed)
+        and not any(path.startswith(f"{other}.") for other in rules)
     ]
 
 

@@ -1,6 +1,7 @@
 """FSDP2 options and training metrics through the handle: mixed precision, CPU offload, expert load (LB-1)."""
 
 import copy
+import json
 import sys
 
 import pytest
@@ -125,3 +126,35 @@ def test_fsdp_plan_and_expert_units_follow_the_layout(ray_session, tiny_checkpoi
     # the final norm and the head share one unit; each block keeps its own so backward can overlap
     assert found["model.norm"][2] == found["lm_head"][2]
     assert len({found[path][2] for path in ("model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head")}) == 4
+
+
+@pytest.mark.parametrize(
+    ("rules", "shared"),
+    [
+        # the defaults: the final norm and the head share a unit
+        (
+            {"model.layers.0": "free_full_weight", "model.norm": "keep_full_weight", "lm_head": "keep_full_weight"},
+            ["model.norm", "lm_head"],
+        ),
+        # blocks of the layer list keep their own units, so backward can reduce-scatter each as it finishes
+        (
+            {"model.layers.0": "keep_full_weight", "model.layers.1": "keep_full_weight", "lm_head": "keep_full_weight"},
+            ["lm_head"],
+        ),
+        # a module inside another rule's module already belongs to that unit
+        (
+            {
+                "model.layers.0": "keep_full_weight",
+                "model.layers.0.mlp": "keep_full_weight",
+                "model.norm": "keep_full_weight",
+            },
+            ["model.norm"],
+        ),
+    ],
+)
+def test_only_single_top_level_kept_modules_share_a_unit(tiny_checkpoint, rules, shared):
+    from raymoe.fsdp import _keep_group
+    from raymoe.models import build_model, parse_model_config
+
+    config = parse_model_config(json.loads((tiny_checkpoint(MOE) / "config.json").read_text()))
+    assert _keep_group(build_model(config), rules) == shared
