@@ -4,29 +4,18 @@ from __future__ import annotations
 
 import torch
 
-TINY_QWEN3_MOE = {
-    "model_type": "qwen3_moe",
-    "vocab_size": 64,
-    "hidden_size": 16,
-    "intermediate_size": 24,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 8,
-    "mlp_only_layers": [1],
-    "max_position_embeddings": 64,
-}
+MOE = "moe_e8_k2_mha"  # a conftest tiny checkpoint: vocabulary 96, 4 heads, 8 experts
 
 
-def twins(rank, tp_rules=None):
+def twins(rank, directory, tp_rules=None):
+    import json
+    from pathlib import Path
+
     from raymoe import DistributedConfig
     from raymoe.models import build_model, parse_model_config
     from raymoe.plans import resolve_plans
 
-    config = parse_model_config(TINY_QWEN3_MOE)
+    config = parse_model_config(json.loads((Path(directory) / "config.json").read_text()))
     if tp_rules is None:
         plans = resolve_plans(
             build_model(config),
@@ -43,19 +32,19 @@ def twins(rank, tp_rules=None):
     return full, rank.sharded_twin(full, tp_rules), ids, labels
 
 
-def check_loss_and_gradients_without_gathered_logits(rank):
+def check_loss_and_gradients_without_gathered_logits(rank, directory):
     from torch.distributed.tensor import DTensor, Shard
 
     from raymoe.models import causal_lm_loss
     from raymoe.vocab_parallel import vocab_parallel_loss, whole
 
-    full, sharded, ids, labels = twins(rank)
+    full, sharded, ids, labels = twins(rank, directory)
     want = causal_lm_loss(full(ids), labels, reduction="sum")
     want.backward()
     with vocab_parallel_loss(sharded):
         logits = sharded(ids)
         assert isinstance(logits, DTensor) and logits.placements == (Shard(2),), logits.placements  # [B, S, V/tp]
-        assert logits.to_local().shape[-1] == 64 // rank.world_size  # each rank holds only its vocabulary part
+        assert logits.to_local().shape[-1] == 96 // rank.world_size  # each rank holds only its vocabulary part
         got = whole(causal_lm_loss(logits, labels, reduction="sum"))
         got.backward()
     assert not isinstance(got, DTensor)
@@ -63,28 +52,29 @@ def check_loss_and_gradients_without_gathered_logits(rank):
     rank.expect_same_grads(sharded, full)
     # outside the block the head gathers again: inference and generation see whole logits
     after = sharded(ids)
-    assert not isinstance(after, DTensor) and after.shape[-1] == 64
+    assert not isinstance(after, DTensor) and after.shape[-1] == 96
 
 
-def check_other_heads_are_left_alone(rank):
+def check_other_heads_are_left_alone(rank, directory):
     from torch.distributed.tensor import DTensor
 
     from raymoe.vocab_parallel import vocab_parallel_loss
 
-    dense_mlp_only = {
-        "model.layers.1.mlp.gate_proj": "colwise",
-        "model.layers.1.mlp.up_proj": "colwise",
-        "model.layers.1.mlp.down_proj": "rowwise",
+    attention_only = {
+        "model.layers.0.self_attn.q_proj": "colwise",
+        "model.layers.0.self_attn.k_proj": "colwise",
+        "model.layers.0.self_attn.v_proj": "colwise",
+        "model.layers.0.self_attn.o_proj": "rowwise",
     }
-    _, sharded, ids, _ = twins(rank, tp_rules=dense_mlp_only)
+    _, sharded, ids, _ = twins(rank, directory, tp_rules=attention_only)
     with vocab_parallel_loss(sharded):
         logits = sharded(ids)
-    assert not isinstance(logits, DTensor) and logits.shape[-1] == 64
+    assert not isinstance(logits, DTensor) and logits.shape[-1] == 96
 
 
-def test_vocab_parallel_loss_equals_one_process(tp2):
-    tp2.run(check_loss_and_gradients_without_gathered_logits)
+def test_vocab_parallel_loss_equals_one_process(tp2, tiny_checkpoint):
+    tp2.run(check_loss_and_gradients_without_gathered_logits, str(tiny_checkpoint(MOE)))
 
 
-def test_vocab_parallel_loss_leaves_a_head_without_tp_alone(tp2):
-    tp2.run(check_other_heads_are_left_alone)
+def test_vocab_parallel_loss_leaves_a_head_without_tp_alone(tp2, tiny_checkpoint):
+    tp2.run(check_other_heads_are_left_alone, str(tiny_checkpoint(MOE)))
