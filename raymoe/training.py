@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
 from raymoe.fsdp import expert_modules
 from raymoe.loading import rank_model
@@ -154,22 +155,22 @@ def grad_norm(params: list[nn.Parameter]) -> Tensor:
     each layout's sum is then reduced once, over the mesh axes its gradients are sharded on
     (a sharded axis holds different pieces, a replicated one the same piece).
     """
-    locals_by_layout: dict[tuple[object, ...], list[Tensor]] = {}
-    layouts: dict[tuple[object, ...], DTensor | None] = {}
+    # (mesh, placements) of a DTensor gradient; None for plain tensors, which every rank holds whole
+    locals_by_layout: dict[tuple[DeviceMesh, tuple[Placement, ...]] | None, list[Tensor]] = {}
     for param in params:
         grad = param.grad
         assert grad is not None
-        key: tuple[object, ...] = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else ("local",)
-        local = grad.to_local() if isinstance(grad, DTensor) else grad
-        locals_by_layout.setdefault(key, []).append(local)
-        layouts.setdefault(key, grad if isinstance(grad, DTensor) else None)
+        if isinstance(grad, DTensor):
+            locals_by_layout.setdefault((grad.device_mesh, grad.placements), []).append(grad.to_local())
+        else:
+            locals_by_layout.setdefault(None, []).append(grad)
     total = torch.zeros((), dtype=torch.float32)
-    for key, local_grads in locals_by_layout.items():
+    for layout, local_grads in locals_by_layout.items():
         square = torch.stack(torch._foreach_norm(local_grads, 2, dtype=torch.float32)).pow(2).sum()
-        example = layouts[key]
-        if example is not None:
-            summed_over = [Replicate() if p.is_replicate() else Partial() for p in example.placements]
-            square = DTensor.from_local(square, example.device_mesh, summed_over, run_check=False).full_tensor()
+        if layout is not None:
+            mesh, placements = layout
+            summed_over = [Replicate() if p.is_replicate() else Partial() for p in placements]
+            square = DTensor.from_local(square, mesh, summed_over, run_check=False).full_tensor()
         total = total + square.cpu()
     return total.sqrt()
 
