@@ -5,10 +5,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint format install clean
+.PHONY: test test-fast demo lint format install clean
 
 test: lint
 	$(BIN)/pytest
+
+# The inner loop: no Ray and no whole-program runs (markers `ray`, `slow`), no coverage; well under a minute.
+test-fast: $(STAMP)
+	$(BIN)/pytest -q -m "not ray and not slow" --no-cov
 
 # The embedded default: a tiny Qwen3-MoE built locally, fine-tuned on 4 CPU ranks (see README).
 demo: $(STAMP)

@@ -1,6 +1,8 @@
-"""The driver-side group of rank actors: create, fan out, gather, fail as one, shut down (SPEC RAY-1…RAY-3).
+"""The Ray implementation of the driver's rank group: create, fan out, gather, fail as one, shut down
+(SPEC RAY-1…RAY-3; the protocol is :class:`raymoe.driver.group.RankGroup`).
 
-    create()   preflight -> placement group -> one actor per rank -> rendezvous -> meshes
+    create(world_size)  preflight -> placement group -> one actor per rank -> rendezvous -> process group
+    use_layout(topo)                every rank builds (or reuses) that layout's meshes
     execute(fn, *args)              the same call on every rank, results in rank order
     execute_per_rank(fn, args_of)   rank r gets args_of[r] (e.g. its slice of the batch)
     shutdown()                      kill actors, remove the placement group; idempotent
@@ -20,10 +22,10 @@ from typing import Any, NoReturn
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.placement import Placement, PlacementRequest, check_fits, cluster_nodes, place
+from actors.placement import Placement, PlacementRequest, check_fits, cluster_nodes, node_block, place
 from actors.rank import RankActor, RankFailure
-from raymoe.runtime import Backend, RankSpec
-from raymoe.topology import Topology
+from raymoe.rank.context import Backend, Rendezvous, use_layout
+from raymoe.spec.topology import Topology
 
 logger = logging.getLogger(__name__)
 
@@ -49,18 +51,20 @@ class GroupOptions:
     collective_timeout_s: float = 1800.0
 
 
-class RankGroup:
-    """One Ray actor per rank of ``topology``; see the module docstring for the life cycle."""
+class RayRankGroup:
+    """One Ray actor per rank of a world; see the module docstring for the life cycle."""
 
-    def __init__(self, topology: Topology, placement: Placement, actors: list[Any]) -> None:
-        self.topology = topology
+    def __init__(self, world_size: int, placement: Placement, actors: list[Any]) -> None:
+        self._world_size = world_size
+        self.topology: Topology | None = None  # the layout in use, for naming ranks in errors
         self._placement: Placement | None = placement
         self._actors = actors
 
     @classmethod
-    def create(cls, topology: Topology, options: GroupOptions) -> RankGroup:
-        """Place and start the ranks, then join them into one process group with its meshes."""
-        request = PlacementRequest.for_topology(topology, options.use_gpu, options.cpus_per_rank)
+    def create(cls, world_size: int, options: GroupOptions, *, block: int = 1) -> RayRankGroup:
+        """Place and start ``world_size`` ranks, ``block`` consecutive ones per node, and join them into
+        one process group."""
+        request = PlacementRequest(world_size, options.use_gpu, options.cpus_per_rank, block)
         check_fits(request, cluster_nodes())
         placement = place(request, options.placement_timeout_s)
         actor_class = ray.remote(RankActor)
@@ -72,7 +76,7 @@ class RankGroup:
             ).remote()
             for bundle in placement.bundle_of_rank
         ]
-        group = cls(topology, placement, actors)
+        group = cls(world_size, placement, actors)
         try:
             group._join(options)
         except BaseException:
@@ -80,29 +84,51 @@ class RankGroup:
             raise
         return group
 
+    @classmethod
+    def for_topology(cls, topology: Topology, options: GroupOptions) -> RayRankGroup:
+        """A world sized and placed for ``topology`` (its tp / ep groups on one node), already in that layout."""
+        group = cls.create(topology.world_size, options, block=node_block(topology))
+        group.use_layout(topology)
+        return group
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def use_layout(self, topology: Topology) -> None:
+        """Regroup the ranks as ``topology``: its tp / ep groups must not cross nodes."""
+        if topology.world_size != self._world_size:
+            raise ValueError(
+                f"the layout needs {topology.world_size} ranks, this world has {self._world_size}; start a world of "
+                f"{topology.world_size} ranks (or choose sizes whose product is {self._world_size})"
+            )
+        placement = self._live_placement()
+        placement.check_blocks(node_block(topology))
+        self.execute(use_layout, topology)
+        self.topology = topology
+
     def _join(self, options: GroupOptions) -> None:
         address, port = self._gather("rendezvous_address", [self._actors[0].rendezvous_address.remote()], [0])[0]
-        assert self._placement is not None
-        specs = [
-            RankSpec(
+        placement = self._live_placement()
+        meeting = [
+            Rendezvous(
                 rank=rank,
-                local_rank=self._placement.local_rank(rank),
-                world_size=self.topology.world_size,
+                local_rank=placement.local_rank(rank),
+                world_size=self._world_size,
                 master_addr=address,
                 master_port=port,
-                config=self.topology.config.to_dict(),
                 backend=options.backend,
                 collective_timeout_s=options.collective_timeout_s,
             )
-            for rank in range(self.topology.world_size)
+            for rank in range(self._world_size)
         ]
-        self._gather("setup", [actor.setup.remote(spec) for actor, spec in zip(self._actors, specs, strict=True)])
+        self._gather("setup", [actor.setup.remote(r) for actor, r in zip(self._actors, meeting, strict=True)])
 
     # --- fan-out ---------------------------------------------------------------------------------
 
     def execute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """``fn(ctx, *args, **kwargs)`` on every rank; results in rank order."""
-        return self.execute_per_rank(fn, [args] * self.topology.world_size, kwargs)
+        return self.execute_per_rank(fn, [args] * self._world_size, kwargs)
 
     def execute_per_rank(
         self, fn: Callable[..., Any], args_of_rank: Sequence[tuple[Any, ...]], kwargs: dict[str, Any] | None = None
@@ -117,9 +143,13 @@ class RankGroup:
         return self._gather(getattr(fn, "__qualname__", repr(fn)), refs)
 
     def _live_actors(self) -> list[Any]:
+        self._live_placement()
+        return self._actors
+
+    def _live_placement(self) -> Placement:
         if self._placement is None:
             raise RuntimeError("this rank group was shut down; load the model again to get a new one")
-        return self._actors
+        return self._placement
 
     def _gather(self, function: str, refs: list[Any], ranks: Sequence[int] | None = None) -> list[Any]:
         """Results in order; the first failure (exception or dead actor) shuts the group down and raises."""
@@ -140,7 +170,7 @@ class RankGroup:
         return [results[rank] for rank in ranks]
 
     def _fail(self, rank: int, function: str, error_type: str, message: str, remote_traceback: str) -> NoReturn:
-        label = self.topology.ranks[rank].label()
+        label = self.topology.ranks[rank].label() if self.topology is not None else f"rank {rank}"
         logger.error("%s failed in %s: %s: %s", label, function, error_type, message)
         self.shutdown()
         raise RankError(
@@ -156,6 +186,16 @@ class RankGroup:
     @property
     def is_alive(self) -> bool:
         return self._placement is not None
+
+    def __enter__(self) -> RayRankGroup:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        state = "running" if self.is_alive else "shut down"
+        return f"RayRankGroup(world_size={self._world_size}, {state})"
 
     def shutdown(self) -> None:
         """Kill every rank actor and free the placement group. Safe to call any number of times."""

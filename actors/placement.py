@@ -15,7 +15,12 @@ from dataclasses import dataclass
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 
-from raymoe.topology import Axis, Topology
+from raymoe.spec.topology import Axis, Topology
+
+
+def node_block(topology: Topology) -> int:
+    """How many consecutive ranks must share a node: a tp group, or an ep group (TOPO-5)."""
+    return max(topology.axis_size(Axis.TP), topology.axis_size(Axis.EP))
 
 
 class PlacementError(RuntimeError):
@@ -41,8 +46,7 @@ class PlacementRequest:
 
     @classmethod
     def for_topology(cls, topology: Topology, use_gpu: bool, cpus_per_rank: float) -> PlacementRequest:
-        block = max(topology.axis_size(Axis.TP), topology.axis_size(Axis.EP))
-        return cls(topology.world_size, use_gpu, cpus_per_rank, block)
+        return cls(topology.world_size, use_gpu, cpus_per_rank, node_block(topology))
 
     def bundle(self) -> dict[str, float]:
         return {"GPU": 1.0, "CPU": self.cpus_per_rank} if self.use_gpu else {"CPU": self.cpus_per_rank}
@@ -66,6 +70,10 @@ class Placement:
         """Index of ``rank`` among the ranks on its node."""
         node = self.node_of_rank[rank]
         return sum(1 for r in range(rank) if self.node_of_rank[r] == node)
+
+    def check_blocks(self, block: int) -> None:
+        """Raise ``PlacementError`` if some ``block`` consecutive ranks (a tp or ep group) span two nodes."""
+        _check_blocks(self.node_of_rank, block)
 
     def remove(self) -> None:
         remove_placement_group(self.group)
@@ -135,10 +143,14 @@ def _order_by_node(group: PlacementGroup, request: PlacementRequest) -> Placemen
     first_seen = {node: index for index, node in reversed(list(bundle_nodes.items()))}
     bundles = sorted(bundle_nodes, key=lambda b: (first_seen[bundle_nodes[b]], b))
     nodes = tuple(bundle_nodes[b] for b in bundles)
-    for start in range(0, request.world_size, request.block):
-        if len(set(nodes[start : start + request.block])) > 1:
-            raise PlacementError(
-                f"Ray placed ranks {start}..{start + request.block - 1} on different nodes, so a tp/ep group of "
-                f"{request.block} would cross nodes; give every node a multiple of {request.block} free slots"
-            )
+    _check_blocks(nodes, request.block)
     return Placement(group, tuple(bundles), nodes)
+
+
+def _check_blocks(node_of_rank: tuple[str, ...], block: int) -> None:
+    for start in range(0, len(node_of_rank), block):
+        if len(set(node_of_rank[start : start + block])) > 1:
+            raise PlacementError(
+                f"ranks {start}..{start + block - 1} are on different nodes, so a tp/ep group of {block} would "
+                f"cross nodes; give every node a multiple of {block} free slots (or start the world with block={block})"
+            )

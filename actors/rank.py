@@ -1,7 +1,7 @@
-"""The rank actor: one process per rank, a thin Ray shell around :mod:`raymoe.runtime`.
+"""The rank actor: one process per rank, a thin Ray shell around :mod:`raymoe.rank.context`.
 
 The driver never calls arbitrary methods on it: it sends a function and its arguments to
-``run``; the function receives this rank's :class:`~raymoe.runtime.RankContext` first. A
+``run``; the function receives this rank's :class:`~raymoe.rank.context.RankContext` first. A
 failure comes back as a :class:`RankFailure` value carrying the remote traceback, so the
 driver can name the rank and stop the others without waiting on their collectives.
 """
@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import ray
 
-from raymoe.runtime import RankContext, RankSpec, init_rank, shutdown_rank
+from raymoe.rank.context import RankContext, Rendezvous, join_world, leave_world
 
 T = TypeVar("T")
 
@@ -43,11 +43,11 @@ class RankActor:
             port = int(sock.getsockname()[1])
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, spec: RankSpec) -> RankFailure | None:
-        return self._guarded(lambda: self._setup(spec))
+    def setup(self, rendezvous: Rendezvous) -> RankFailure | None:
+        return self._guarded(lambda: self._setup(rendezvous))
 
-    def _setup(self, spec: RankSpec) -> None:
-        self._ctx = init_rank(spec)
+    def _setup(self, rendezvous: Rendezvous) -> None:
+        self._ctx = join_world(rendezvous)
 
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._ctx is None:
@@ -56,7 +56,7 @@ class RankActor:
         return self._guarded(lambda: fn(ctx, *args, **kwargs))
 
     def teardown(self) -> None:
-        shutdown_rank()
+        leave_world()
 
     @staticmethod
     def _guarded(call: Callable[[], T]) -> T | RankFailure:

@@ -97,7 +97,7 @@ def raymoe_on_ray(directory: Path, layout: dict[str, int], data: list[torch.Tens
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
 
     with raymoe.from_pretrained(directory, distributed_config=layout) as model:
-        model.configure_training(lr=1e-4)
+        model.configure_training(lr=1e-4, betas=(0.9, 0.999), max_grad_norm=None)  # the other rows: torch defaults
         return time_steps(model.train_step, data)
 
 

@@ -1,7 +1,7 @@
 """Does the plain-tensor fast path at the TP module boundaries pay off for inference? (SPEC STYLE-4)
 
 Every TP style runs its module's forward on local shards; only the layout changes at the
-boundary go through ``raymoe.styles.layouts.redistribute_local``. When no gradient can flow
+boundary go through ``raymoe.parallel.styles.layouts.redistribute_local``. When no gradient can flow
 it calls the collective directly instead of ``DTensor.from_local -> redistribute -> to_local``.
 This times, under ``torch.no_grad`` on 2 CPU ranks (gloo, one thread each), two blocks with
 their boundary changes done
@@ -34,9 +34,9 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement
 
-import raymoe.styles.layouts as layouts
-import raymoe.styles.tensor as tensor_styles
-from raymoe.parallelize import apply_tp_rules
+import raymoe.parallel.styles.layouts as layouts
+import raymoe.parallel.styles.tensor as tensor_styles
+from raymoe.parallel.apply import apply_rules
 
 
 def dtensor_redistribute(
@@ -68,9 +68,9 @@ def time_per_call_us(fn: Callable[[], object], iters: int) -> float:
 def build_blocks(hidden: int, inter: int, vocab: int, mesh: DeviceMesh) -> dict[str, nn.Module]:
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(hidden, inter), nn.SiLU(), nn.Linear(inter, hidden))
-    apply_tp_rules(mlp, {"0": "colwise", "2": "rowwise"}, mesh)
+    apply_rules(mlp, {"0": "colwise", "2": "rowwise"}, mesh)
     lm_head = nn.Sequential(nn.Linear(hidden, vocab, bias=False))
-    apply_tp_rules(lm_head, {"0": "colwise_gather_output"}, mesh)
+    apply_rules(lm_head, {"0": "colwise_gather_output"}, mesh)
     return {"mlp": mlp, "lm_head": lm_head}
 
 

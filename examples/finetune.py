@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import raymoe
-from actors.placement import PlacementError
+from actors import PlacementError
 from raymoe.checkpoint import resolve_config_file
 from raymoe.models import load_model_config
 

@@ -1,17 +1,28 @@
-"""raymoe: a Ray-orchestrated distributed runtime for mixture-of-experts transformers."""
+"""raymoe: a Ray-orchestrated distributed runtime for mixture-of-experts transformers.
 
-from raymoe.api import from_pretrained
+The folders say which process runs the code (see ARCHITECTURE.md): ``spec/`` (driver, pure),
+``models/`` (pure torch), ``parallel/`` (styles, FSDP2), ``rank/`` (inside a rank actor),
+``driver/`` (handle, Trainer, data), ``checkpoint/`` (hub files); ``actors/`` beside this package
+is the only code that imports ``ray``.
+"""
+
+from raymoe.api import from_pretrained, start_world
 from raymoe.checkpoint import load_model, save_model
-from raymoe.config import DistributedConfig
-from raymoe.data import PackedData, TextTokenizer, load_dataset, load_tokenizer
-from raymoe.generation import generate
-from raymoe.styles import ParallelStyle, register
-from raymoe.tiny import build_tiny_checkpoint
-from raymoe.topology import Topology, build_topology
-from raymoe.trainer import Trainer, TrainerConfig, TrainSummary
+from raymoe.driver.data import PackedData, TextTokenizer, load_dataset, load_tokenizer
+from raymoe.driver.handle import DistributedModel
+from raymoe.driver.tiny import build_tiny_checkpoint
+from raymoe.driver.trainer import Trainer, TrainerConfig, TrainSummary
+from raymoe.models.common.generation import generate
+from raymoe.parallel.styles import ExpertRole, ParallelStyle, register
+from raymoe.spec.config import DistributedConfig
+from raymoe.spec.optimizer import OptimizerConfig
+from raymoe.spec.topology import Topology, build_topology
 
 __all__ = [
     "DistributedConfig",
+    "DistributedModel",
+    "ExpertRole",
+    "OptimizerConfig",
     "PackedData",
     "ParallelStyle",
     "TextTokenizer",
@@ -28,4 +39,5 @@ __all__ = [
     "load_tokenizer",
     "register",
     "save_model",
+    "start_world",
 ]

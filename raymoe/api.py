@@ -1,4 +1,11 @@
-"""``raymoe.from_pretrained``: the one call that validates, places the ranks and loads the shards."""
+"""The public entry points that start ranks: ``raymoe.from_pretrained`` and ``raymoe.start_world``.
+
+The composition root: everything checkable without a cluster is checked here first (config,
+plans, the checkpoint's ``config.json``, in :mod:`raymoe.spec.launch`), then the Ray side
+(``actors/``) places the ranks and the driver handle (:mod:`raymoe.driver.handle`) loads the shards.
+This is the only raymoe module that imports ``actors``, and only inside these functions, so
+``import raymoe`` never imports ``ray``.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from raymoe.config import DistributedConfig
-from raymoe.launch import as_config, prepare_launch
-from raymoe.runtime import Backend
+from raymoe.driver.handle import DistributedModel
+from raymoe.rank.context import Backend
+from raymoe.spec.config import DistributedConfig
+from raymoe.spec.launch import as_config, prepare_launch
 
 if TYPE_CHECKING:
-    from actors.handle import DistributedModel
+    from actors.group import RayRankGroup
 
 
 def from_pretrained(
@@ -23,6 +31,7 @@ def from_pretrained(
     world_size: int | None = None,
     revision: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
+    world: RayRankGroup | None = None,
     use_gpu: bool | None = None,
     cpus_per_rank: float = 1.0,
     backend: Backend | None = None,
@@ -36,13 +45,24 @@ def from_pretrained(
     this machine, or a new local instance), the cluster is checked for room, one actor per
     rank is placed and each rank loads only its shard. ``use_gpu=None`` uses GPUs when the
     cluster has any. ``world_size`` is only needed with ``tp_plan="auto"`` and no ``tp_size``;
-    it defaults then to the cluster's GPU count.
-    """
-    from actors.cluster import cluster_gpus, connect
-    from actors.group import GroupOptions
-    from actors.handle import DistributedModel
+    it defaults then to the cluster's GPU count (or to the world's size).
 
+    ``world`` (from :func:`start_world`) loads onto ranks that are already running instead of
+    starting new ones: the layout must have ``world.world_size`` ranks, and the handle's
+    ``shutdown`` then unloads the model and leaves the ranks for the next ``from_pretrained``.
+    The placement options (``use_gpu`` ... ``collective_timeout_s``) belong to the world then.
+    """
     config = as_config(distributed_config)
+    if world is not None:
+        size = world_size if world_size is not None else world.world_size
+        spec = prepare_launch(
+            name_or_path, config, world_size=size, dtype=dtype, revision=revision, cache_dir=cache_dir
+        )
+        return DistributedModel.launch(spec, world, owns_group=False)
+
+    from actors.cluster import cluster_gpus, connect
+    from actors.group import GroupOptions, RayRankGroup
+
     if config.tp_is_deferred and world_size is None:
         connect(num_ranks=1, cpus_per_rank=cpus_per_rank)
         world_size = cluster_gpus()
@@ -55,12 +75,48 @@ def from_pretrained(
         name_or_path, config, world_size=world_size, dtype=dtype, revision=revision, cache_dir=cache_dir
     )
     connect(num_ranks=spec.topology.world_size, cpus_per_rank=cpus_per_rank)
-    gpu = use_gpu if use_gpu is not None else cluster_gpus() > 0
     options = GroupOptions(
-        use_gpu=gpu,
+        use_gpu=use_gpu if use_gpu is not None else cluster_gpus() > 0,
         cpus_per_rank=cpus_per_rank,
         backend=backend,
         placement_timeout_s=placement_timeout_s,
         collective_timeout_s=collective_timeout_s,
     )
-    return DistributedModel.launch(spec, options)
+    group = RayRankGroup.for_topology(spec.topology, options)
+    return DistributedModel.launch(spec, group, owns_group=True)
+
+
+def start_world(
+    world_size: int,
+    *,
+    block: int = 1,
+    use_gpu: bool | None = None,
+    cpus_per_rank: float = 1.0,
+    backend: Backend | None = None,
+    placement_timeout_s: float = 120.0,
+    collective_timeout_s: float = 1800.0,
+) -> RayRankGroup:
+    """Start ``world_size`` rank actors in one process group, to load models onto one after another.
+
+    A notebook or a sweep pays for placement, process start-up and rendezvous once: pass the result
+    as ``from_pretrained(..., world=...)``. ``block`` consecutive ranks are kept on one node (set it to
+    the largest tp / ep size you will use on a multi-node cluster). Use as a context manager, or call
+    ``shutdown()``; a rank failure ends the world like it ends an owned group.
+    """
+    from actors.cluster import cluster_gpus, connect
+    from actors.group import GroupOptions, RayRankGroup
+
+    for name, value in (("world_size", world_size), ("block", block)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"start_world: {name}={value!r} must be an int >= 1")
+    if world_size % block:
+        raise ValueError(f"start_world: block={block} must divide world_size={world_size}")
+    connect(num_ranks=world_size, cpus_per_rank=cpus_per_rank)
+    options = GroupOptions(
+        use_gpu=use_gpu if use_gpu is not None else cluster_gpus() > 0,
+        cpus_per_rank=cpus_per_rank,
+        backend=backend,
+        placement_timeout_s=placement_timeout_s,
+        collective_timeout_s=collective_timeout_s,
+    )
+    return RayRankGroup.create(world_size, options, block=block)

@@ -10,15 +10,23 @@ import copy
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-import transformers
 
 # Tests never reach the network: hub code paths read local files only.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-RAY_TEST_CPUS = 8  # logical CPUs: room for the 8-rank worlds on a 2-core machine
+RAY_TEST_CPUS = 16  # logical CPUs: the shared worlds below plus 8-rank groups of their own, on 2 cores
+WORLD_CPUS_PER_RANK = 0.25  # the shared worlds' 15 ranks hold 3.75 logical CPUs, leaving 12 for other groups
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that uses Ray is marked ``ray`` (``make test-fast`` deselects them)."""
+    for item in items:
+        if {"ray_session", "world"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.ray)
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +38,41 @@ def ray_session():
         ray.init(num_cpus=RAY_TEST_CPUS, log_to_driver=False, include_dashboard=True)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def world(ray_session):
+    """``world(n)``: a world of ``n`` rank actors (``raymoe.start_world``) shared by the whole session.
+
+    Tests that only need *a* model on *some* ranks load onto it (``from_pretrained(..., world=world(n))``)
+    instead of starting actors of their own; each load sets its own layout, and the handle's
+    ``shutdown`` unloads it. A world that a rank failure ended is started again on the next request.
+    """
+    import raymoe
+
+    worlds = {}
+
+    def get(size: int):
+        if size not in worlds or not worlds[size].is_alive:
+            worlds[size] = raymoe.start_world(size, cpus_per_rank=WORLD_CPUS_PER_RANK, collective_timeout_s=300)
+        return worlds[size]
+
+    yield get
+    for started in worlds.values():
+        started.shutdown()
+
+
+@pytest.fixture(scope="session")
+def load_on_world(world):
+    """``load_on_world(checkpoint, config_dict, **kwargs)``: ``from_pretrained`` onto the shared world of that size."""
+    import raymoe
+    from raymoe import DistributedConfig
+
+    def load(checkpoint, config=None, **kwargs):
+        layout = DistributedConfig(**(config or {}))
+        return raymoe.from_pretrained(checkpoint, distributed_config=layout, world=world(layout.world_size), **kwargs)
+
+    return load
 
 
 # --- multi-rank CPU process groups (gloo) for torch.distributed tests --------------------------
@@ -54,7 +97,7 @@ def tp2():
 
     ``tp2.run(check, *args)`` calls ``check(rank, *args)`` on both ranks; see tests/distributed.py.
     """
-    group = _load_rank_harness().RankGroup(world_size=2)
+    group = _load_rank_harness().GlooWorld(world_size=2)
     yield group
     group.close()
 
@@ -65,7 +108,7 @@ def world4():
 
     ``world4.run(check, *args)`` calls ``check(rank, *args)`` on every rank; see tests/distributed.py.
     """
-    group = _load_rank_harness().RankGroup(world_size=4)
+    group = _load_rank_harness().GlooWorld(world_size=4)
     yield group
     group.close()
 
@@ -85,9 +128,10 @@ def world4():
 
 MOE_SHAPE = dict(vocab_size=96, max_position_embeddings=256)
 
-TINY_CONFIGS: dict[str, Callable[[], transformers.PreTrainedConfig]] = {
+# Each entry builds its config from the transformers module it is given (imported only when a fixture needs it).
+TINY_CONFIGS: dict[str, Callable[[Any], Any]] = {
     # 5 experts, top-3, GQA 2, a dense layer in the middle, normalised top-k.
-    "moe_e5_k3_gqa2_dense_mid": lambda: transformers.Qwen3MoeConfig(
+    "moe_e5_k3_gqa2_dense_mid": lambda transformers: transformers.Qwen3MoeConfig(
         **MOE_SHAPE,
         hidden_size=32,
         intermediate_size=48,
@@ -102,7 +146,7 @@ TINY_CONFIGS: dict[str, Callable[[], transformers.PreTrainedConfig]] = {
         norm_topk_prob=True,
     ),
     # 6 experts, top-1, GQA 3, tied head, every second layer sparse, odd intermediate (padded GEMM path).
-    "moe_e6_k1_gqa3_tied_step2": lambda: transformers.Qwen3MoeConfig(
+    "moe_e6_k1_gqa3_tied_step2": lambda transformers: transformers.Qwen3MoeConfig(
         **MOE_SHAPE,
         hidden_size=48,
         intermediate_size=40,
@@ -118,7 +162,7 @@ TINY_CONFIGS: dict[str, Callable[[], transformers.PreTrainedConfig]] = {
         attention_bias=True,
     ),
     # 8 experts, top-2, multi-head (no GQA), head_dim != hidden/heads, aligned dims (torch._grouped_mm path).
-    "moe_e8_k2_mha": lambda: transformers.Qwen3MoeConfig(
+    "moe_e8_k2_mha": lambda transformers: transformers.Qwen3MoeConfig(
         **MOE_SHAPE,
         hidden_size=64,
         intermediate_size=64,
@@ -132,7 +176,7 @@ TINY_CONFIGS: dict[str, Callable[[], transformers.PreTrainedConfig]] = {
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
     ),
     # Llama, GQA 2, biases, Llama-3.1 RoPE scaling with all three frequency bands in use.
-    "llama_gqa2_llama3_rope_bias": lambda: transformers.LlamaConfig(
+    "llama_gqa2_llama3_rope_bias": lambda transformers: transformers.LlamaConfig(
         vocab_size=96,
         hidden_size=32,
         intermediate_size=64,
@@ -152,7 +196,7 @@ TINY_CONFIGS: dict[str, Callable[[], transformers.PreTrainedConfig]] = {
         },
     ),
     # Llama, tied head, multi-head, linear RoPE scaling.
-    "llama_mha_tied_linear_rope": lambda: transformers.LlamaConfig(
+    "llama_mha_tied_linear_rope": lambda transformers: transformers.LlamaConfig(
         vocab_size=96,
         hidden_size=32,
         intermediate_size=48,
@@ -164,7 +208,7 @@ TINY_CONFIGS: dict[str, Callable[[], transformers.PreTrainedConfig]] = {
         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
     ),
     # Llama, four kv heads and a vocabulary divisible by 4: splits four ways under tensor parallelism.
-    "llama_mha4": lambda: transformers.LlamaConfig(
+    "llama_mha4": lambda transformers: transformers.LlamaConfig(
         vocab_size=96,
         hidden_size=64,
         intermediate_size=96,
@@ -174,7 +218,7 @@ TINY_CONFIGS: dict[str, Callable[[], transformers.PreTrainedConfig]] = {
         max_position_embeddings=256,
     ),
     # Qwen3 dense, GQA 4 (one kv head), tied head, q/k norms.
-    "qwen3_gqa4_tied": lambda: transformers.Qwen3Config(
+    "qwen3_gqa4_tied": lambda transformers: transformers.Qwen3Config(
         vocab_size=96,
         hidden_size=32,
         intermediate_size=64,
@@ -201,10 +245,12 @@ def moe_name(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-def _make_hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
-    """A randomly initialised fp32 model; norms and biases perturbed so their loading is tested too."""
+def _make_hf_model(name: str, seed: int = 0) -> Any:
+    """A randomly initialised fp32 transformers model; norms and biases perturbed so their loading is tested too."""
+    import transformers
+
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(TINY_CONFIGS[name](), dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(TINY_CONFIGS[name](transformers), dtype=torch.float32)
     with torch.no_grad():
         for param_name, param in model.named_parameters():
             if param_name.endswith("norm.weight"):
@@ -214,7 +260,9 @@ def _make_hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
     return model.eval()
 
 
-def _load_hf_model(directory: Path) -> transformers.PreTrainedModel:
+def _load_hf_model(directory: Path) -> Any:
+    import transformers
+
     # The eager experts loop is transformers' plainest definition (and its grouped_mm path fails
     # on CPU for dims that are not 16-byte multiples).
     options = {"experts_implementation": "eager"} if "moe" in directory.name else {}
@@ -222,23 +270,23 @@ def _load_hf_model(directory: Path) -> transformers.PreTrainedModel:
 
 
 @pytest.fixture(scope="session")
-def make_hf_model() -> Callable[..., transformers.PreTrainedModel]:
+def make_hf_model() -> Callable[..., Any]:
     """``make_hf_model(name, seed=0)``: a fresh random reference model."""
     return _make_hf_model
 
 
 @pytest.fixture(scope="session")
-def load_hf_model() -> Callable[[Path], transformers.PreTrainedModel]:
+def load_hf_model() -> Callable[[Path], Any]:
     """``load_hf_model(directory)``: transformers' ``from_pretrained`` in fp32, eval mode, eager experts."""
     return _load_hf_model
 
 
 def _reference_training(
-    hf_model: transformers.PreTrainedModel,
+    hf_model: Any,
     data: list[tuple[torch.Tensor, torch.Tensor]],
     lr: float,
     weight_decay: float,
-) -> tuple[list[float], list[float], transformers.PreTrainedModel]:
+) -> tuple[list[float], list[float], Any]:
     model = copy.deepcopy(hf_model).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     losses, norms = [], []
@@ -253,7 +301,7 @@ def _reference_training(
 
 
 @pytest.fixture(scope="session")
-def reference_training() -> Callable[..., tuple[list[float], list[float], transformers.PreTrainedModel]]:
+def reference_training() -> Callable[..., tuple[list[float], list[float], Any]]:
     """``reference_training(hf_model, [(ids, mask), ...], lr, weight_decay)``: transformers in one process,
     AdamW, loss = mean over the label tokens (mask 0 -> label -100) -> losses, gradient norms, trained copy."""
     return _reference_training

@@ -1,6 +1,6 @@
 """Multi-rank test harness: N CPU processes in one gloo process group, started once, running many checks.
 
-    group = RankGroup(world_size=2)
+    group = GlooWorld(world_size=2)
     group.run(check, "colwise")      # check(rank, "colwise") on every rank; a list of per-rank results
     group.close()
 
@@ -8,7 +8,7 @@
 path (``--import-mode=importlib`` leaves test files unimportable by name) and calls it with a
 :class:`Rank`: the 1-D tp mesh over all ranks plus helpers that compare a sharded module with its
 unsharded twin; ``rank.context(tp_size=2, fsdp_size=2, ep_size=4)`` is the rank's
-``raymoe.runtime.RankContext`` of that layout (dense and expert meshes from ``build_meshes``),
+``raymoe.rank.context.RankContext`` of that layout (its dense and expert meshes),
 built once per process and layout. An exception on any rank fails ``run`` with every failing
 rank's traceback; ranks left waiting in a collective are killed after ``timeout_s`` and the group
 restarts on the next run.
@@ -42,7 +42,7 @@ RUN_TIMEOUT_S = 120.0
 FAILURE_GRACE_S = 3.0  # after one rank fails, how long the others get to report before they are killed
 
 
-class RankGroup:
+class GlooWorld:
     """Parent side: starts ``world_size`` rank processes on first use and runs functions on all of them."""
 
     def __init__(self, world_size: int, *, timeout_s: float = RUN_TIMEOUT_S) -> None:
@@ -176,14 +176,15 @@ class Rank:
         self.rank = mesh.get_local_rank()
         self.world_size = mesh.size()
 
-    def sharded_twin(self, model: Any, rules: dict[str, str]) -> Any:
-        """A deep copy of ``model`` with ``rules`` applied on this rank."""
+    def sharded_twin(self, model: Any, rules: dict[str, str], styles: Any = None) -> Any:
+        """A deep copy of ``model`` with ``rules`` applied on this rank (``styles``: name -> instance,
+        default the built-in styles)."""
         import copy
 
-        from raymoe.parallelize import apply_tp_rules
+        from raymoe.parallel.apply import apply_rules
 
         twin = copy.deepcopy(model)
-        apply_tp_rules(twin, rules, self.mesh)
+        apply_rules(twin, rules, self.mesh, styles)
         return twin
 
     def context(self, **config: Any) -> Any:
@@ -195,14 +196,14 @@ class Rank:
         if key not in _CONTEXTS:
             import torch
 
-            from raymoe.config import DistributedConfig
-            from raymoe.runtime import RankContext, build_meshes
-            from raymoe.topology import build_topology
+            from raymoe.rank.context import RankContext
+            from raymoe.spec.config import DistributedConfig
+            from raymoe.spec.topology import build_topology
 
             topology = build_topology(DistributedConfig(**config), self.world_size)
-            dense, expert = build_meshes(topology, "cpu")
-            coords = topology.ranks[self.rank]
-            _CONTEXTS[key] = RankContext(topology, coords, torch.device("cpu"), "gloo", dense, expert)
+            ctx = RankContext(self.rank, self.world_size, torch.device("cpu"), "gloo")
+            ctx.use_layout(topology)
+            _CONTEXTS[key] = ctx
         return _CONTEXTS[key]
 
     def local_part(self, full: Any, dim: int) -> Any:

@@ -1,9 +1,15 @@
 """Hub checkpoints: resolve, read (whole or any block of a parameter), load, and write back."""
 
 from raymoe.checkpoint.hub import HUB_ALLOW_PATTERNS, resolve_checkpoint, resolve_config_file
-from raymoe.checkpoint.load import assign_parameter, load_model, load_weights, open_checkpoint
+from raymoe.checkpoint.model_io import (
+    assign_parameter,
+    load_model,
+    load_weights,
+    open_checkpoint,
+    save_model,
+    write_config,
+)
 from raymoe.checkpoint.reader import CheckpointReader, SafetensorsFiles
-from raymoe.checkpoint.save import save_model, write_config
 from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE, CheckpointWriter
 
 __all__ = [

@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from raymoe.models.hub_layout import Concat, HubKeys, HubLayout, Stack, hub_key_names
+from raymoe.models.common.hub_layout import Concat, HubKeys, HubLayout, Stack, hub_key_names
 
 SAFETENSORS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from raymoe.checkpoint.reader import INDEX_FILE, SAFETENSORS_FILE
-from raymoe.models.hub_layout import HubLayout, split_fused
+from raymoe.models.common.hub_layout import HubLayout, split_fused
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # bytes
 _PARTIAL_SUFFIX = ".partial"  # shard files before their final name (the shard count) is known

@@ -1,28 +1,39 @@
-"""raymoe's own model definitions (torch only): Qwen3-MoE, Llama and Qwen3, hub-checkpoint compatible."""
+"""raymoe's own model definitions (pure torch, nothing of distribution): Qwen3-MoE, Llama and Qwen3.
 
-from raymoe.models.config import (
+``common/`` holds the shared blocks, ``moe/`` the mixture-of-experts pieces, and each family has
+one folder (model, config defaults, default plans, hub layout); :mod:`raymoe.models.registry`
+maps ``model_type`` to the family. Nothing here imports ``raymoe.parallel``, ``raymoe.rank``,
+``raymoe.driver`` or ``actors``: what the parallel layer needs to know about a module, the model
+says with plain attributes (:mod:`raymoe.models.common.shard_hints`).
+"""
+
+from raymoe.models.common.config import ModelConfig, MoeConfig, RopeConfig
+from raymoe.models.common.decoder import CausalLM, DecoderLayer, DecoderModel
+from raymoe.models.common.hub_layout import Concat, HubKeys, HubLayout, Stack
+from raymoe.models.common.kv_cache import KVCache
+from raymoe.models.common.loss import causal_lm_loss
+from raymoe.models.common.plans import DefaultPlans
+from raymoe.models.llama import LlamaForCausalLM
+from raymoe.models.qwen3 import Qwen3ForCausalLM
+from raymoe.models.qwen3_moe import Qwen3MoeForCausalLM
+from raymoe.models.registry import (
+    FAMILIES,
+    MODEL_CLASSES,
     SUPPORTED_MODEL_TYPES,
-    ModelConfig,
-    MoeConfig,
-    RopeConfig,
+    build_model,
     load_model_config,
     parse_model_config,
 )
-from raymoe.models.decoder import CausalLM, DecoderLayer, DecoderModel
-from raymoe.models.dense import LlamaForCausalLM, Qwen3ForCausalLM
-from raymoe.models.hub_layout import Concat, HubKeys, HubLayout, Stack
-from raymoe.models.kv_cache import KVCache
-from raymoe.models.loss import causal_lm_loss
-from raymoe.models.qwen3_moe import Qwen3MoeForCausalLM
-from raymoe.models.registry import MODEL_CLASSES, build_model
 
 __all__ = [
+    "FAMILIES",
     "MODEL_CLASSES",
     "SUPPORTED_MODEL_TYPES",
     "CausalLM",
     "Concat",
     "DecoderLayer",
     "DecoderModel",
+    "DefaultPlans",
     "HubKeys",
     "HubLayout",
     "KVCache",

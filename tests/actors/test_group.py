@@ -11,9 +11,9 @@ import torch.distributed as dist
 from ray import cloudpickle
 from ray.util.state import list_actors, list_placement_groups
 
-from actors import GroupOptions, PlacementError, RankError, RankGroup
+from actors import GroupOptions, PlacementError, RankError, RayRankGroup
 from raymoe import DistributedConfig, build_topology
-from raymoe.topology import Axis
+from raymoe.spec.topology import Axis
 
 # Rank functions below travel to the actors by value: test modules are not importable there.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -22,15 +22,34 @@ OPTIONS = GroupOptions(collective_timeout_s=60, placement_timeout_s=30)
 
 
 def start(ray_session, **config):
-    return RankGroup.create(build_topology(DistributedConfig(**config)), OPTIONS)
+    return RayRankGroup.for_topology(build_topology(DistributedConfig(**config)), OPTIONS)
+
+
+def _address():
+    """This session's Ray, named explicitly: other Ray instances may run on this machine."""
+    import ray
+
+    return ray.get_runtime_context().gcs_address
 
 
 def alive_actors():
-    return [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name == "RankActor"]
+    """Ids of the live rank actors (the session's shared worlds among them, when a test started them)."""
+    alive = list_actors(address=_address(), filters=[("state", "=", "ALIVE")])
+    return {a.actor_id for a in alive if a.class_name == "RankActor"}
 
 
 def live_placement_groups():
-    return [pg for pg in list_placement_groups() if pg.state != "REMOVED"]
+    return {pg.placement_group_id for pg in list_placement_groups(address=_address()) if pg.state != "REMOVED"}
+
+
+def owned(group):
+    """The actor ids and the placement-group id a group holds (to check they are gone after it ends)."""
+    return {actor._actor_id.hex() for actor in group._actors}, {group._placement.group.id.hex()}
+
+
+def gone(ids):
+    actors, groups = ids
+    return not (actors & alive_actors()) and not (groups & live_placement_groups())
 
 
 def group_members(ctx):
@@ -78,6 +97,7 @@ def fail_on_rank_two(ctx):
 
 def test_exception_on_one_rank_names_it_and_tears_everything_down(ray_session):
     group = start(ray_session, tp_size=2, fsdp_size=2, ep_size=2)
+    ids = owned(group)
     with pytest.raises(RankError) as info:
         group.execute(fail_on_rank_two)
     error = info.value
@@ -91,7 +111,7 @@ def test_exception_on_one_rank_names_it_and_tears_everything_down(ray_session):
         "--- traceback on rank 2 ---" in message and 'in fail_on_rank_two\n    raise ValueError("bad shard' in message
     )
     assert not group.is_alive
-    _eventually(lambda: not alive_actors() and not live_placement_groups())
+    _eventually(lambda: gone(ids))
 
 
 def sleep_then_barrier(ctx, seconds):
@@ -103,6 +123,7 @@ def sleep_then_barrier(ctx, seconds):
 
 def test_killed_rank_is_reported_within_seconds(ray_session):
     group = start(ray_session, fsdp_size=2, dp_replicate_size=2)
+    ids = owned(group)
     victim = group._actors[1]
     killed_at = []
 
@@ -116,7 +137,7 @@ def test_killed_rank_is_reported_within_seconds(ray_session):
     detected_after = time.monotonic() - killed_at[0]
     print(f"killed rank reported {detected_after:.2f} s after ray.kill")  # shown with -s
     assert detected_after < 10  # measured 0.01 s here; the other ranks wait in a 120 s barrier
-    _eventually(lambda: not alive_actors() and not live_placement_groups())
+    _eventually(lambda: gone(ids))
 
 
 def rank_and_args(ctx, *args):
@@ -125,6 +146,7 @@ def rank_and_args(ctx, *args):
 
 def test_execute_per_rank_and_shutdown_is_idempotent(ray_session):
     group = start(ray_session, dp_replicate_size=2)
+    ids = owned(group)
     assert group.execute(rank_and_args, "x") == [(0, ("x",)), (1, ("x",))]
     assert group.execute_per_rank(rank_and_args, [(10,), (11,)]) == [(0, (10,)), (1, (11,))]
     with pytest.raises(ValueError, match="needs 2 argument tuples, got 1"):
@@ -133,30 +155,32 @@ def test_execute_per_rank_and_shutdown_is_idempotent(ray_session):
     group.shutdown()
     with pytest.raises(RuntimeError, match="was shut down"):
         group.execute(rank_and_args)
-    _eventually(lambda: not alive_actors() and not live_placement_groups())
+    _eventually(lambda: gone(ids))
 
 
 def test_insufficient_resources_fail_before_any_actor(ray_session):
-    topology = build_topology(DistributedConfig(fsdp_size=16))
-    with pytest.raises(PlacementError, match=r"needs 16 rank slots of 1 CPUs, cluster has 1 node x 8 CPUs"):
-        RankGroup.create(topology, OPTIONS)
-    assert not alive_actors() and not live_placement_groups()
+    before = alive_actors(), live_placement_groups()
+    topology = build_topology(DistributedConfig(fsdp_size=32))
+    with pytest.raises(PlacementError, match=r"needs 32 rank slots of 1 CPUs, cluster has 1 node x 16 CPUs"):
+        RayRankGroup.for_topology(topology, OPTIONS)
+    assert (alive_actors(), live_placement_groups()) == before
 
 
 def test_busy_cluster_times_out_with_a_clear_error(ray_session):
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    hog = placement_group([{"CPU": 7}])
+    before = alive_actors()
+    hog = placement_group([{"CPU": ray_session.available_resources()["CPU"] - 1}])  # one CPU left: two are needed
     ray_session.get(hog.ready(), timeout=30)
     try:
         topology = build_topology(DistributedConfig(fsdp_size=2))
         began = time.monotonic()
         with pytest.raises(PlacementError, match=r"not ready after 2 s: the resources exist but are busy"):
-            RankGroup.create(topology, GroupOptions(placement_timeout_s=2))
+            RayRankGroup.for_topology(topology, GroupOptions(placement_timeout_s=2))
         assert time.monotonic() - began < 15
     finally:
         remove_placement_group(hog)
-    assert not alive_actors()
+    assert alive_actors() == before
 
 
 def _eventually(condition, timeout_s=20.0):

@@ -22,13 +22,17 @@ def finetune():
     return module
 
 
-def rank_actors_alive(ray) -> list:
-    """RankActors alive in the session's cluster (named explicitly: other Ray instances may run on this machine)."""
+def rank_actors_alive(ray) -> set:
+    """Ids of the RankActors alive in the session's cluster (named explicitly: other Ray instances may run on this
+    machine); the session's shared worlds are among them when a test started them."""
     address = ray.get_runtime_context().gcs_address
-    return [a for a in list_actors(address=address, filters=[("state", "=", "ALIVE")]) if a.class_name == "RankActor"]
+    alive = list_actors(address=address, filters=[("state", "=", "ALIVE")])
+    return {a.actor_id for a in alive if a.class_name == "RankActor"}
 
 
+@pytest.mark.slow
 def test_embedded_default_loss_falls_and_artefacts_exist(ray_session, finetune, tmp_path, capsys):
+    before = rank_actors_alive(ray_session)
     out = tmp_path / "run"
     assert finetune.main(["--steps", "30", "--eval-every", "10", "--output-dir", str(out), "--no-progress"]) == 0
     printed = capsys.readouterr().out
@@ -44,7 +48,7 @@ def test_embedded_default_loss_falls_and_artefacts_exist(ray_session, finetune, 
     assert sum(r["loss"] for r in steps[-5:]) / 5 < steps[0]["loss"] - 1.5
     assert (out / "checkpoint" / "model.safetensors").is_file() and (out / "checkpoint" / "tokenizer.json").is_file()
     assert (out / "metrics.png").stat().st_size > 10_000
-    assert not rank_actors_alive(ray_session)
+    assert rank_actors_alive(ray_session) == before
 
 
 @pytest.mark.parametrize(
@@ -54,11 +58,12 @@ def test_embedded_default_loss_falls_and_artefacts_exist(ray_session, finetune, 
         (["--dataset", "{empty}"], r"dataset .*empty.txt is empty: it holds no text to train on"),
         (["--seq-len", "1024"], r"--seq-len=1024 exceeds the model's max_position_embeddings=512"),
         (["--steps", "0"], r"TrainerConfig: steps=0 must be an int >= 1"),
-        (["--tp-size", "2", "--fsdp-size", "8"], r"needs 16 rank slots of 1 CPUs in groups of 2 per node, cluster has"),
+        (["--tp-size", "2", "--fsdp-size", "16"], r"needs 32 rank slots of 1 CPUs in groups of 2 per node"),
     ],
     ids=["missing_dataset", "empty_dataset", "seq_len_too_long", "bad_steps", "does_not_fit_the_cluster"],
 )
 def test_bad_input_is_one_error_before_any_step(ray_session, finetune, tmp_path, capsys, args, message):
+    before = rank_actors_alive(ray_session)
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     out = tmp_path / "run"
@@ -68,4 +73,4 @@ def test_bad_input_is_one_error_before_any_step(ray_session, finetune, tmp_path,
     assert len(err) == 1 and err[0].startswith("finetune.py: error: "), err
     assert re.search(message, err[0]), err[0]
     assert not (out / "metrics.jsonl").exists()  # no step ran
-    assert not rank_actors_alive(ray_session)
+    assert rank_actors_alive(ray_session) == before

@@ -21,6 +21,8 @@ import urllib.request
 from contextlib import closing, contextmanager
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 JOB_TIMEOUT_S = 240
@@ -135,6 +137,8 @@ def wait_for_job(url: str, token: str, job_id: str) -> tuple[str, str]:
     return status, get_json(f"{url}/api/jobs/{job_id}/logs", token)["logs"]
 
 
+@pytest.mark.slow
+@pytest.mark.ray
 def test_ray_job_submit_runs_the_example_on_the_cluster(tmp_path):
     home, out_dir = tmp_path / "home", tmp_path / "out"
     home.mkdir()

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from raymoe.checkpoint import load_model
-from raymoe.generation import generate
 from raymoe.models import KVCache
+from raymoe.models.common.generation import generate
 
 
 def test_cached_chunks_equal_one_full_forward(tiny_name, tiny_checkpoint):

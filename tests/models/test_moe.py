@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from raymoe.models.config import MoeConfig
+from raymoe.models.common.config import MoeConfig
 from raymoe.models.moe import GroupedExperts, SparseMoeBlock, TopKRouter, grouped_mm, select_gemm_backend
 
 BACKENDS = ["padded", "grouped_mm"]

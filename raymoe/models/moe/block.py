@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from raymoe.models.config import MoeConfig
+from raymoe.models.common.config import MoeConfig
 from raymoe.models.moe.experts import GroupedExperts
 from raymoe.models.moe.router import TopKRouter
 

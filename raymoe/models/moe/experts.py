@@ -36,7 +36,7 @@ class GroupedExperts(nn.Module):
         :meth:`compute`, weighted, put back in (token, k) order and summed over ``k``.
 
         A negative id marks a masked pair (expert-parallel masking: another rank's expert, see
-        ``raymoe.styles.expert``). It still runs, on expert ``id mod E``, so shapes stay static, but
+        ``raymoe.parallel.styles.expert``). It still runs, on expert ``id mod E``, so shapes stay static, but
         contributes nothing: weight 0, and no gradient to its routing weight.
         """
         num_tokens, top_k = topk_ids_TK.shape

@@ -1,0 +1,107 @@
+"""A model's checkpoint in and out: a reader in its parameter names, a whole-model load, a hub-layout save.
+
+    load_model   resolve (local dir or hub snapshot) -> parse config.json -> build on meta
+                 -> check every tensor against the model (one error listing all problems)
+                 -> read each parameter, assign it in place of the meta one -> re-tie embeddings
+    save_model   config.json + weights in the hub layout (per-expert tensors), loadable by transformers
+
+Sharded loading on the ranks (:mod:`raymoe.rank.load`) reads blocks of each parameter through the
+same :class:`CheckpointReader` (:func:`open_checkpoint`); sharded saving streams gathered tensors
+into :func:`save_model`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from raymoe.checkpoint.hub import resolve_checkpoint
+from raymoe.checkpoint.reader import CheckpointReader
+from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE, CheckpointWriter
+from raymoe.models.common.decoder import CausalLM
+from raymoe.models.registry import build_model, load_model_config
+
+
+def open_checkpoint(
+    name_or_path: str | os.PathLike[str],
+    model: CausalLM,
+    *,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> CheckpointReader:
+    """A reader of checkpoint ``name_or_path`` (resolved like :func:`load_model`) in ``model``'s parameter names."""
+    directory = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir)
+    return CheckpointReader(directory, model.hub_layout(), model.is_ignored_hub_key)
+
+
+def load_model(
+    name_or_path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    revision: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> CausalLM:
+    """The model of checkpoint ``name_or_path`` with its weights, in the checkpoint dtype unless ``dtype`` is given."""
+    directory = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir)
+    model = build_model(load_model_config(directory), device="meta")
+    with CheckpointReader(directory, model.hub_layout(), model.is_ignored_hub_key) as reader:
+        load_weights(model, reader, dtype=dtype, device=device)
+    return model
+
+
+def load_weights(
+    model: CausalLM, reader: CheckpointReader, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+) -> None:
+    """Replace every parameter of ``model`` (typically meta) by the checkpoint's, read whole."""
+    params = dict(model.named_parameters())
+    reader.check({name: param.shape for name, param in params.items()}, model_name=type(model).__name__)
+    for name, param in params.items():
+        tensor = reader.read(name).to(device=device, dtype=dtype or reader.dtype(name))
+        assign_parameter(model, name, tensor, requires_grad=param.requires_grad)
+    model.tie_weights()
+
+
+def assign_parameter(model: nn.Module, name: str, tensor: Tensor, *, requires_grad: bool = True) -> None:
+    """Make ``tensor`` the parameter ``name`` of ``model`` (no copy; the meta placeholder is dropped)."""
+    owner_path, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_path)
+    setattr(owner, leaf, nn.Parameter(tensor, requires_grad=requires_grad))
+
+
+def save_model(
+    model: CausalLM,
+    directory: str | os.PathLike[str],
+    *,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    tensors: Iterable[tuple[str, Tensor]] | None = None,
+) -> list[Path]:
+    """Write ``config.json`` and the weights (per-expert hub tensors, sharded above ``max_shard_size`` bytes).
+
+    ``tensors`` yields ``(parameter name, full tensor)`` in place of the model's own parameters,
+    one at a time (a sharded model gathers each just before it is written).
+    """
+    with CheckpointWriter(directory, layout=model.hub_layout(), max_shard_size=max_shard_size) as writer:
+        for name, tensor in tensors if tensors is not None else model.named_parameters():
+            writer.write_parameter(name, tensor)
+        files = writer.close()
+    write_config(model, directory)
+    return files
+
+
+def write_config(model: CausalLM, directory: str | os.PathLike[str]) -> Path:
+    """The ``config.json`` the model was built from, with the dtype of the weights being saved."""
+    raw = dict(model.config.raw)
+    raw["dtype"] = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    raw.pop("torch_dtype", None)  # the transformers 4 spelling of "dtype"; keep one
+    raw.setdefault("model_type", model.model_type)
+    raw.setdefault("architectures", [type(model).__name__])
+    path = Path(directory) / "config.json"
+    with path.open("w") as f:
+        json.dump(raw, f, indent=2, sort_keys=True)
+    return path

@@ -1,0 +1,116 @@
+"""The global batch on the driver: checked, labelled and split by data-parallel coordinate (SPEC TOPO-1).
+
+``input_ids [B, S]`` is the global batch. Batch row blocks go to data-parallel coordinates
+in order; every rank of a tp group gets the same block::
+
+    B = 8, dp_size = 4, tp = 2     rows 0-1 -> ranks 0,1   rows 2-3 -> ranks 2,3   ...
+
+Uneven splits are allowed (``torch.tensor_split``), empty ones are not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from raymoe.models.common.loss import IGNORE_INDEX, count_label_tokens
+from raymoe.spec.topology import Topology
+
+
+@dataclass(frozen=True)
+class GlobalBatch:
+    """A checked global batch. ``labels`` has ``IGNORE_INDEX`` wherever no loss is taken."""
+
+    input_ids: Tensor
+    labels: Tensor
+    num_label_tokens: int
+
+
+def check_input_ids(input_ids: object, vocab_size: int, name: str = "input_ids") -> Tensor:
+    """``input_ids`` as a ``[B, S]`` int64 CPU tensor, or a ``ValueError`` naming what is wrong."""
+    if not isinstance(input_ids, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor of token ids [batch, seq], got {type(input_ids).__name__}")
+    if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"{name} must be a non-empty 2-D tensor [batch, seq], got shape {tuple(input_ids.shape)}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool or input_ids.is_complex():
+        raise ValueError(f"{name} must hold integer token ids, got dtype {input_ids.dtype}")
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"{name} must be token ids in [0, {vocab_size}), got values in [{low}, {high}]")
+    return input_ids.detach().to("cpu", torch.int64)
+
+
+def check_sequence_length(length: int, max_positions: int) -> None:
+    if length > max_positions:
+        raise ValueError(
+            f"sequence length {length} exceeds the model's max_position_embeddings={max_positions}; "
+            "use shorter sequences (or fewer new tokens)"
+        )
+
+
+def make_global_batch(
+    input_ids: object, labels: object | None, attention_mask: object | None, vocab_size: int
+) -> GlobalBatch:
+    """Labels default to the inputs; positions where ``attention_mask`` is 0 take no loss.
+
+    Padding must be on the right: the models attend causally without a padding mask, so a
+    token never sees the padding after it, but would see padding placed before it.
+    """
+    ids = check_input_ids(input_ids, vocab_size)
+    if labels is None:
+        targets = ids.clone()
+    else:
+        targets = _check_like(labels, ids, "labels")
+        bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= vocab_size))
+        if bool(bad.any()):
+            raise ValueError(f"labels must be token ids in [0, {vocab_size}) or {IGNORE_INDEX}")
+    if attention_mask is not None:
+        mask = _check_like(attention_mask, ids, "attention_mask")
+        _check_right_padded(mask)
+        targets = targets.masked_fill(mask == 0, IGNORE_INDEX)
+    return GlobalBatch(ids, targets, count_label_tokens(targets))
+
+
+def _check_like(value: object, ids: Tensor, name: str) -> Tensor:
+    if not isinstance(value, Tensor) or tuple(value.shape) != tuple(ids.shape):
+        shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+        raise ValueError(f"{name} must be a tensor shaped like input_ids {tuple(ids.shape)}, got {shape}")
+    return value.detach().to("cpu", torch.int64)
+
+
+def _check_right_padded(mask: Tensor) -> None:
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError("attention_mask must hold only 0 and 1")
+    # Right padding: along each row the mask never goes from 0 back to 1.
+    if bool((mask[:, 1:] > mask[:, :-1]).any()):
+        raise ValueError(
+            "attention_mask has padding before real tokens (left padding); raymoe's models take no padding mask in "
+            "attention, so pad on the right"
+        )
+
+
+def split_by_rank(batch: Tensor, topology: Topology) -> list[Tensor]:
+    """Rank r's rows of the global ``batch``: the block of its data-parallel coordinate (TOPO-1)."""
+    dp_size = topology.config.dp_size
+    if batch.shape[0] < dp_size:
+        raise ValueError(
+            f"the global batch has {batch.shape[0]} rows but the layout has dp_size={dp_size} data-parallel ranks "
+            "(dp_replicate_size * fsdp_size); give at least one row per data-parallel rank"
+        )
+    blocks = torch.tensor_split(batch, dp_size)
+    return [blocks[coords.batch] for coords in topology.ranks]
+
+
+def split_micro_batches(input_ids: Tensor, labels: Tensor, micro_batches: int) -> list[tuple[Tensor, Tensor]]:
+    """A rank's rows as ``micro_batches`` (input_ids, labels) pairs for gradient accumulation."""
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
+    if input_ids.shape[0] < micro_batches:
+        raise ValueError(
+            f"micro_batches={micro_batches} needs at least that many rows per data-parallel rank, "
+            f"and a rank holds {input_ids.shape[0]}; use a larger global batch or fewer micro-batches"
+        )
+    pairs = zip(torch.tensor_split(input_ids, micro_batches), torch.tensor_split(labels, micro_batches), strict=True)
+    return list(pairs)

@@ -1,0 +1,53 @@
+"""What the driver needs from a group of rank processes, and the one way it reads their answers.
+
+The handle and the Trainer are written against :class:`RankGroup`; ``actors/`` implements it on
+Ray (``actors.group.RayRankGroup``). A group is a *world*: N processes in one process group.
+It outlives the models loaded on it: ``use_layout`` regroups the same ranks for the next model.
+
+    execute(fn, *args)              fn(ctx, *args) on every rank; results in rank order
+    execute_per_rank(fn, args_of)   rank r runs fn(ctx, *args_of[r]) (e.g. its rows of the batch)
+    use_layout(topology)            every rank builds (or reuses) that layout's meshes
+
+Any rank's failure raises one driver-side error naming the rank and ends the group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+from raymoe.spec.topology import Topology
+
+T = TypeVar("T")
+
+
+class RankGroup(Protocol):
+    """A world of rank processes the driver fans rank functions out to."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def is_alive(self) -> bool: ...
+
+    def use_layout(self, topology: Topology) -> None: ...
+
+    def execute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]: ...
+
+    def execute_per_rank(
+        self, fn: Callable[..., Any], args_of_rank: Sequence[tuple[Any, ...]], kwargs: dict[str, Any] | None = None
+    ) -> list[Any]: ...
+
+    def shutdown(self) -> None: ...
+
+
+def one_per_batch(results: Sequence[T | None], topology: Topology) -> list[T]:
+    """The answer of each distinct batch, in batch order: every rank of a tp group holds the same rows
+    (TOPO-1) and only its first rank answers (the others return None, see ``RankContext.answers_for_batch``)."""
+    answers = []
+    for ranks in topology.batch_ranks():
+        answer = results[ranks[0]]
+        if answer is None:
+            raise RuntimeError(f"rank {ranks[0]}, the first of tp group {ranks}, returned no answer for its batch")
+        answers.append(answer)
+    return answers

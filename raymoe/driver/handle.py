@@ -1,0 +1,313 @@
+"""The driver-side model handle ``raymoe.from_pretrained`` returns (SPEC RAY-3, INF-1, TRAIN-2/3).
+
+Each method validates on the driver, splits the global batch by data-parallel coordinate,
+fans one rank function (``raymoe.rank.*``) out through a :class:`~raymoe.driver.group.RankGroup`
+and folds the per-rank answers into one result. Nothing here touches a tensor of the model.
+
+A handle either owns its group (``from_pretrained`` started it for this model: ``shutdown`` ends
+the ranks) or borrows a world the user started (``from_pretrained(..., world=...)``: ``shutdown``
+unloads the model and leaves the ranks running for the next one).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE
+from raymoe.driver.batch import (
+    GlobalBatch,
+    check_input_ids,
+    check_sequence_length,
+    make_global_batch,
+    split_by_rank,
+    split_micro_batches,
+)
+from raymoe.driver.expert_load import expert_load_metrics
+from raymoe.driver.group import RankGroup, one_per_batch
+from raymoe.models.common.config import ModelConfig
+from raymoe.models.common.generation import pad_token_for, trim_finished
+from raymoe.models.registry import parse_model_config
+from raymoe.rank.evaluate import eval_loss
+from raymoe.rank.infer import forward_logits, generate_tokens
+from raymoe.rank.load import LoadReport, load_shards, unload_model
+from raymoe.rank.save import save_gathered
+from raymoe.rank.train import StepResult, configure_optimizer, train_step
+from raymoe.spec.launch import LaunchSpec
+from raymoe.spec.optimizer import OptimizerConfig, check_lr
+from raymoe.spec.plans import ResolvedPlans
+from raymoe.spec.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+
+class DistributedModel:
+    """A model sharded over rank processes. Use as a context manager, or call :meth:`shutdown`."""
+
+    def __init__(self, spec: LaunchSpec, group: RankGroup, load_reports: list[LoadReport], *, owns_group: bool) -> None:
+        self._spec = spec
+        self._group = group
+        self.load_reports = load_reports
+        self.model_config: ModelConfig = parse_model_config(spec.model_config)
+        self._optimizer: OptimizerConfig | None = None
+        # Frees what this handle holds when it is collected or the interpreter exits.
+        release: Callable[[], None] = group.shutdown if owns_group else _unloader(group)
+        self._finalizer = weakref.finalize(self, release)
+
+    @classmethod
+    def launch(cls, spec: LaunchSpec, group: RankGroup, *, owns_group: bool) -> DistributedModel:
+        """Load ``spec`` on ``group`` (its layout first); an owned group is shut down if loading fails.
+
+        A borrowed world hosts one model at a time: loading onto one whose model is still open is a
+        ``ValueError`` (the old handle would otherwise drive the new model).
+        """
+        if not owns_group:
+            _check_vacant(group)
+        try:
+            group.use_layout(spec.topology)
+            reports = group.execute(load_shards, spec)
+        except BaseException:
+            if owns_group:
+                group.shutdown()
+            raise
+        model = cls(spec, group, reports, owns_group=owns_group)
+        if not owns_group:
+            _TENANTS[group] = weakref.ref(model)
+        return model
+
+    # --- what was loaded ------------------------------------------------------------------------
+
+    @property
+    def topology(self) -> Topology:
+        return self._spec.topology
+
+    @property
+    def source(self) -> str:
+        """The checkpoint directory or hub id this model was loaded from."""
+        return self._spec.source
+
+    @property
+    def tp_plan(self) -> dict[str, str]:
+        """The merged TP plan (model defaults + overrides), wildcard keys (PLAN-1)."""
+        return dict(self._spec.plans.tp_plan)
+
+    @property
+    def ep_plan(self) -> dict[str, str]:
+        return dict(self._spec.plans.ep_plan)
+
+    @property
+    def fsdp_plan(self) -> dict[str, str]:
+        return dict(self._spec.plans.fsdp_plan)
+
+    @property
+    def plans(self) -> ResolvedPlans:
+        """The resolved plans every rank applied: merged plans, concrete rules and the style instances."""
+        return self._spec.plans
+
+    @property
+    def supports_tp_plan(self) -> bool:
+        return bool(self._spec.plans.tp_plan)
+
+    def describe(self) -> str:
+        """The rank picture of this layout (SPEC TOPO-3)."""
+        num_experts = self.model_config.moe.num_experts if self.model_config.moe is not None else None
+        return self.topology.describe(num_experts=num_experts)
+
+    # --- inference and training -------------------------------------------------------------------
+
+    def __call__(self, input_ids: Tensor) -> Tensor:
+        """``logits [B, S, V]`` of the global batch ``input_ids [B, S]``, gathered on the driver."""
+        ids = check_input_ids(input_ids, self.model_config.vocab_size)
+        check_sequence_length(ids.shape[1], self.model_config.max_position_embeddings)
+        per_rank = split_by_rank(ids, self.topology)
+        results = self._ranks().execute_per_rank(forward_logits, [(rows,) for rows in per_rank])
+        return torch.cat(one_per_batch(results, self.topology))
+
+    def generate(
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int,
+        *,
+        eos_token_ids: Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+    ) -> Tensor:
+        """Greedy continuation ``[B, S + n]`` of the global batch, with a KV cache on every rank.
+
+        Rows that finish early (an eos id) are padded with ``pad_token_id`` (default: the config's,
+        else the first eos id) up to the longest row.
+        """
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        ids = check_input_ids(input_ids, self.model_config.vocab_size)
+        check_sequence_length(ids.shape[1] + max_new_tokens, self.model_config.max_position_embeddings)
+        eos = tuple(self.model_config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        pad = pad_token_for(self.model_config, eos, pad_token_id)
+        args = [(rows, max_new_tokens, eos, pad) for rows in split_by_rank(ids, self.topology)]
+        rows = one_per_batch(self._ranks().execute_per_rank(generate_tokens, args), self.topology)
+        width = max(r.shape[1] for r in rows)
+        tokens = torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=pad) for r in rows])
+        return trim_finished(tokens, ids.shape[1], eos)
+
+    def configure_training(
+        self,
+        lr: float = OptimizerConfig.lr,
+        weight_decay: float = OptimizerConfig.weight_decay,
+        betas: tuple[float, float] = OptimizerConfig.betas,
+        eps: float = OptimizerConfig.eps,
+        max_grad_norm: float | None = OptimizerConfig.max_grad_norm,
+    ) -> None:
+        """AdamW on every rank (defaults: :class:`~raymoe.spec.optimizer.OptimizerConfig`); ``max_grad_norm=None``
+        means no clipping."""
+        config = OptimizerConfig(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, max_grad_norm=max_grad_norm)
+        self._ranks().execute(configure_optimizer, config)
+        self._optimizer = config
+
+    def train_step(
+        self,
+        input_ids: Tensor,
+        labels: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        lr: float | None = None,
+        micro_batches: int = 1,
+    ) -> dict[str, Any]:
+        """One optimizer step on the global batch; the loss is the mean over all its label tokens.
+
+        ``labels`` default to ``input_ids``; label ``-100`` and ``attention_mask == 0`` take no loss.
+        ``lr`` overrides the learning rate from this step on (schedules set it every step).
+        ``micro_batches > 1`` splits each rank's rows into that many forward/backward passes
+        (gradient accumulation) before the one optimizer step.
+        """
+        if self._optimizer is None:
+            raise RuntimeError("call configure_training(...) before train_step")
+        if lr is not None:
+            check_lr(lr)
+        batch, micro_of_rank = self._labelled_batch(input_ids, labels, attention_mask, micro_batches)
+        args = [(micro, batch.num_label_tokens, lr) for micro in micro_of_rank]
+        results: list[StepResult] = self._ranks().execute_per_rank(train_step, args)
+        if lr is not None:
+            self._optimizer = self._optimizer.with_lr(lr)
+        firsts = one_per_batch(results, self.topology)
+        metrics: dict[str, Any] = {
+            "loss": sum(r.loss_sum for r in firsts) / batch.num_label_tokens,
+            "grad_norm": results[0].grad_norm,
+            "num_tokens": batch.num_label_tokens,
+            "lr": self._optimizer.lr,
+        }
+        loads = [r.expert_load for r in firsts]
+        if all(load is not None for load in loads) and loads:
+            metrics.update(expert_load_metrics([load for load in loads if load is not None], self.topology))
+        return metrics
+
+    def evaluate(
+        self,
+        input_ids: Tensor,
+        labels: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        micro_batches: int = 1,
+    ) -> dict[str, Any]:
+        """Mean loss over all label tokens of the global batch, forward only: no gradients, no optimizer step.
+
+        Batch handling as in :meth:`train_step`. Returns ``loss``, ``loss_sum`` and ``num_tokens``,
+        so the losses of several batches combine exactly: ``sum(loss_sum) / sum(num_tokens)``.
+        """
+        batch, micro_of_rank = self._labelled_batch(input_ids, labels, attention_mask, micro_batches)
+        results: list[float] = self._ranks().execute_per_rank(eval_loss, [(micro,) for micro in micro_of_rank])
+        loss_sum = sum(one_per_batch(results, self.topology))
+        return {"loss": loss_sum / batch.num_label_tokens, "loss_sum": loss_sum, "num_tokens": batch.num_label_tokens}
+
+    def _labelled_batch(
+        self, input_ids: Tensor, labels: Tensor | None, attention_mask: Tensor | None, micro_batches: int
+    ) -> tuple[GlobalBatch, list[list[tuple[Tensor, Tensor]]]]:
+        """The checked global batch, and each rank's rows as ``(input_ids, labels)`` micro-batches."""
+        batch = make_global_batch(input_ids, labels, attention_mask, self.model_config.vocab_size)
+        check_sequence_length(batch.input_ids.shape[1], self.model_config.max_position_embeddings)
+        if batch.num_label_tokens == 0:
+            raise ValueError("the batch has no label tokens (all labels are -100 or masked)")
+        ids_of_rank = split_by_rank(batch.input_ids, self.topology)
+        labels_of_rank = split_by_rank(batch.labels, self.topology)
+        micro = [
+            split_micro_batches(ids, labs, micro_batches) for ids, labs in zip(ids_of_rank, labels_of_rank, strict=True)
+        ]
+        return batch, micro
+
+    def save_pretrained(self, path: str | os.PathLike[str], max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> list[Path]:
+        """Gather the weights into a hub-layout checkpoint at ``path`` (written by rank 0, on its node)."""
+        directory = Path(path).expanduser().absolute()
+        files = self._ranks().execute(save_gathered, str(directory), max_shard_size)[0]
+        return [Path(file) for file in files]
+
+    def run_on_ranks(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """``fn(ctx, *args, **kwargs)`` on every rank, results in rank order: for inspecting or extending
+        what the ranks hold (``ctx.require_model().model`` is this rank's shard of the model). ``fn``
+        travels by pickle; a rank's exception ends the group like any rank failure."""
+        return self._ranks().execute(fn, *args, **kwargs)
+
+    # --- life cycle -------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Release the ranks: stop them (a group this handle started) or unload the model from a borrowed
+        world (``from_pretrained(..., world=...)``). Safe to call more than once."""
+        self._finalizer()
+
+    def _ranks(self) -> RankGroup:
+        """The group, for a call; a handle that was shut down fails here, on the driver, before any rank is asked."""
+        if not self._finalizer.alive:
+            raise RuntimeError("this model was shut down; load it again (raymoe.from_pretrained) to use it")
+        return self._group
+
+    @property
+    def is_alive(self) -> bool:
+        """True until :meth:`shutdown` (or a rank failure that ended the group)."""
+        return self._finalizer.alive and self._group.is_alive
+
+    def __enter__(self) -> DistributedModel:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        state = "running" if self.is_alive else "shut down"
+        return (
+            f"DistributedModel({self.model_config.model_type} from {self._spec.source!r}, "
+            f"{self.topology.config!r}, {state})\n{self.describe()}"
+        )
+
+
+# The open handle of each borrowed world (a world hosts one model at a time).
+_TENANTS: weakref.WeakKeyDictionary[Any, weakref.ref[DistributedModel]] = weakref.WeakKeyDictionary()
+
+
+def _check_vacant(group: RankGroup) -> None:
+    tenant = _TENANTS.get(group)
+    current = tenant() if tenant is not None else None
+    if current is not None and current.is_alive:
+        raise ValueError(
+            f"this world already hosts {current.model_config.model_type} from {current.source!r}; call its "
+            "shutdown() (or leave its `with` block) before loading another model onto the same ranks"
+        )
+
+
+def _unloader(group: RankGroup) -> Callable[[], None]:
+    """Unload the model from a borrowed world (if it is still running); the world itself stays."""
+
+    def unload() -> None:
+        _TENANTS.pop(group, None)
+        if not group.is_alive:
+            return
+        try:
+            group.execute(unload_model)
+        except Exception as exc:  # the group reported and ended itself; nothing is left to free
+            logger.warning("unloading the model from its world failed: %s", exc)
+
+    return unload

@@ -1,0 +1,137 @@
+"""The decoder-only causal LM shared by every family: embedding -> layers -> norm -> head.
+
+Module and parameter names are the hub checkpoint's (``model.embed_tokens``,
+``model.layers.{i}.self_attn.q_proj``, ``model.layers.{i}.mlp...``, ``model.norm``,
+``lm_head``), so plans, checkpoints and transformers' state dicts use one vocabulary. A family
+subclasses :class:`CausalLM` to choose each layer's feed-forward, its default plans and, where
+it fuses hub tensors, its hub layout.
+
+Shape legend: ``B`` batch, ``S`` tokens, ``H`` hidden size, ``D`` head dim, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from raymoe.models.common.attention import Attention
+from raymoe.models.common.config import ModelConfig
+from raymoe.models.common.hub_layout import HubLayout
+from raymoe.models.common.kv_cache import KVCache, LayerKVCache
+from raymoe.models.common.norm import RMSNorm
+from raymoe.models.common.plans import DefaultPlans
+from raymoe.models.common.rope import rope_cos_sin
+from raymoe.models.moe import GroupedExperts, TopKRouter
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: ``x + attn(norm(x))``, then ``h + mlp(norm(h))``. ``[B, S, H]`` in and out."""
+
+    def __init__(self, config: ModelConfig, mlp: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x_BSH: Tensor, cos_SD: Tensor, sin_SD: Tensor, cache: LayerKVCache | None = None, start: int = 0
+    ) -> Tensor:
+        h_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos_SD, sin_SD, cache, start)
+        out_BSH: Tensor = h_BSH + self.mlp(self.post_attention_layernorm(h_BSH))
+        return out_BSH
+
+
+class DecoderModel(nn.Module):
+    """``input_ids [B, S]`` -> final hidden states ``[B, S, H]`` (the hub's ``model.`` prefix)."""
+
+    def __init__(self, config: ModelConfig, layers: list[DecoderLayer]) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids_BS: Tensor, cache: KVCache | None = None) -> Tensor:
+        """With ``cache``, the tokens continue the cached ones: positions start at ``cache.length``."""
+        start = cache.length if cache is not None else 0
+        x_BSH = self.embed_tokens(input_ids_BS)
+        positions_S = torch.arange(start, start + input_ids_BS.shape[1], device=x_BSH.device)
+        cos_SD, sin_SD = rope_cos_sin(self.config.rope, self.config.head_dim, positions_S, x_BSH.dtype)
+        for i, layer in enumerate(self.layers):
+            x_BSH = layer(x_BSH, cos_SD, sin_SD, cache.layers[i] if cache is not None else None, start)
+        if cache is not None:
+            cache.advance(input_ids_BS.shape[1])
+        out_BSH: Tensor = self.norm(x_BSH)
+        return out_BSH
+
+
+class CausalLM(nn.Module, ABC):
+    """A decoder with a language-model head: ``input_ids [B, S]`` -> ``logits [B, S, vocab]``."""
+
+    base_model_prefix: ClassVar[str] = "model"
+    model_type: ClassVar[str]
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.model_type != self.model_type:
+            raise ValueError(f"{type(self).__name__} builds model_type {self.model_type!r}, got {config.model_type!r}")
+        self.config = config
+        layers = [DecoderLayer(config, self.build_mlp(config, i)) for i in range(config.num_hidden_layers)]
+        self.model = DecoderModel(config, layers)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    @abstractmethod
+    def build_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        """The feed-forward of layer ``layer_idx``, mapping ``[B, S, H]`` to ``[B, S, H]``."""
+
+    @abstractmethod
+    def default_plans(self) -> DefaultPlans:
+        """This model's tp / ep / fsdp plans, keys as full paths (``model.layers.*.self_attn.q_proj``)."""
+
+    def forward(self, input_ids_BS: Tensor, cache: KVCache | None = None) -> Tensor:
+        logits_BSV: Tensor = self.lm_head(self.model(input_ids_BS, cache))
+        return logits_BSV
+
+    @property
+    def num_experts(self) -> int | None:
+        """Routed experts per sparse layer; None for a dense model."""
+        return None
+
+    @property
+    def supports_tp_plan(self) -> bool:
+        return bool(self.default_plans().tp)
+
+    def tie_weights(self) -> None:
+        """With ``tie_word_embeddings`` the head and the embedding share one parameter (re-done after loading)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def hub_layout(self) -> HubLayout:
+        """Every parameter (a tied one once) -> the hub tensors it is made of; here each is its own name."""
+        return {name: name for name, _ in self.named_parameters()}
+
+    def is_ignored_hub_key(self, key: str) -> bool:
+        """Hub tensors that are legitimately present yet not loaded."""
+        # Old Llama checkpoints store RoPE frequencies; tied checkpoints may still store the head.
+        return key.endswith("rotary_emb.inv_freq") or (self.config.tie_word_embeddings and key == "lm_head.weight")
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Random initialisation as the hub models define it: normal(0, initializer_range), norms one, biases zero."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding | TopKRouter):
+                nn.init.normal_(module.weight, std=std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+            if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                module.weight[module.padding_idx].zero_()
+            if isinstance(module, RMSNorm):
+                module.reset_parameters()
+            if isinstance(module, GroupedExperts):
+                module.reset_parameters(std)

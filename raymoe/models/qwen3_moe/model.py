@@ -1,0 +1,55 @@
+"""Qwen3-MoE (the architecture of Qwen/Qwen3-30B-A3B).
+
+Qwen3 attention (GQA, q/k RMSNorm, RoPE) with a sparse MoE feed-forward in every layer that
+``MoeConfig.is_sparse`` selects (``decoder_sparse_step``, minus ``mlp_only_layers``) and a dense
+SwiGLU MLP of ``intermediate_size`` in the others. Experts are fused in memory
+(``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) and per-expert in the hub checkpoint.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from raymoe.models.common.config import ModelConfig, MoeConfig
+from raymoe.models.common.decoder import CausalLM
+from raymoe.models.common.hub_layout import Concat, HubLayout, Stack
+from raymoe.models.common.mlp import FeedForward
+from raymoe.models.common.plans import DefaultPlans
+from raymoe.models.moe import SparseMoeBlock
+from raymoe.models.qwen3_moe.plans import qwen3_moe_plans
+
+
+class Qwen3MoeForCausalLM(CausalLM):
+    model_type = "qwen3_moe"
+
+    @property
+    def moe(self) -> MoeConfig:
+        assert self.config.moe is not None  # parse_model_config always sets it for qwen3_moe
+        return self.config.moe
+
+    def build_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        if config.layer_is_sparse(layer_idx):
+            assert config.moe is not None  # layer_is_sparse implies it
+            return SparseMoeBlock(config.hidden_size, config.moe)
+        return FeedForward(config.hidden_size, config.intermediate_size)
+
+    @property
+    def num_experts(self) -> int | None:
+        return self.moe.num_experts
+
+    def sparse_layers(self) -> list[int]:
+        return [i for i in range(self.config.num_hidden_layers) if self.config.layer_is_sparse(i)]
+
+    def default_plans(self) -> DefaultPlans:
+        return qwen3_moe_plans(self.config, self.sparse_layers())
+
+    def hub_layout(self) -> HubLayout:
+        layout = super().hub_layout()
+        for i in self.sparse_layers():
+            prefix = f"model.layers.{i}.mlp.experts"
+            experts = range(self.moe.num_experts)
+            layout[f"{prefix}.gate_up_proj"] = Stack(
+                tuple(Concat((f"{prefix}.{e}.gate_proj.weight", f"{prefix}.{e}.up_proj.weight")) for e in experts)
+            )
+            layout[f"{prefix}.down_proj"] = Stack(tuple(f"{prefix}.{e}.down_proj.weight" for e in experts))
+        return layout

@@ -1,0 +1,51 @@
+"""The gradient norm of a sharded model over both meshes (SPEC TRAIN-2), and clipping by it.
+
+Gradients are DTensors on the dense mesh (dp_replicate, fsdp, tp), DTensors on the expert mesh
+(dp_replicate, efsdp, ep), or plain tensors every rank holds whole. Each layout's squared local
+norms are summed with one multi-tensor op and reduced once, over the axes its gradients are
+sharded on.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
+
+
+def grad_norm(params: list[nn.Parameter]) -> Tensor:
+    """The 2-norm of all gradients as one vector, over both meshes (SPEC TRAIN-2).
+
+    Squares of the local shards are summed with plain tensor ops per layout (mesh, placements);
+    each layout's sum is then reduced once, over the mesh axes its gradients are sharded on
+    (a sharded axis holds different pieces, a replicated one the same piece).
+    """
+    # (mesh, placements) of a DTensor gradient; None for plain tensors, which every rank holds whole
+    locals_by_layout: dict[tuple[DeviceMesh, tuple[Placement, ...]] | None, list[Tensor]] = {}
+    for param in params:
+        grad = param.grad
+        assert grad is not None
+        if isinstance(grad, DTensor):
+            locals_by_layout.setdefault((grad.device_mesh, grad.placements), []).append(grad.to_local())
+        else:
+            locals_by_layout.setdefault(None, []).append(grad)
+    total = torch.zeros((), dtype=torch.float32)
+    for layout, local_grads in locals_by_layout.items():
+        square = torch.stack(torch._foreach_norm(local_grads, 2, dtype=torch.float32)).pow(2).sum()
+        if layout is not None:
+            mesh, placements = layout
+            summed_over = [Replicate() if p.is_replicate() else Partial() for p in placements]
+            square = DTensor.from_local(square, mesh, summed_over, run_check=False).full_tensor()
+        total = total + square.cpu()
+    return total.sqrt()
+
+
+def clip_grads(params: list[nn.Parameter], norm: Tensor, max_norm: float) -> None:
+    """Scale every gradient by ``max_norm / norm`` when that is below one (``norm`` from :func:`grad_norm`)."""
+    scale = max_norm / (float(norm) + 1e-6)
+    if scale < 1.0:
+        for param in params:
+            grad = param.grad
+            assert grad is not None
+            grad.mul_(scale)

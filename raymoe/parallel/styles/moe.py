@@ -1,0 +1,72 @@
+"""Tensor-parallel styles of a mixture-of-experts layer (SPEC §4): the experts module and an identity expert.
+
+The experts module takes ``(hidden [T, H], topk_ids [T, k], topk_weights [T, k]) -> [T, H]`` and
+holds fused weights ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``. Under ``moe_tp_experts``
+their own parameter rules split every expert's intermediate dim (``packed_colwise`` on
+``gate_up_proj``, ``rowwise`` on ``down_proj``), so each rank computes every expert on every
+token, for its ``I/tp`` slice::
+
+    hidden, topk_weights   Replicate; the backward all-reduces their gradients (each rank's is partial)
+          |
+    experts on local weights: gate_up [E, 2I/tp, H] -> chunk(2) -> act(gate) * up -> down [E, H, I/tp]
+          |
+    partial [T, H]  -> all-reduce -> Replicate
+
+Masked expert parallelism (``ep_router`` + ``moe_tp_experts``) uses the same experts style with the
+expert dim split instead: each rank's non-local experts are masked, so its output is partial too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from raymoe.parallel.styles.base import ExpertRole, ParallelStyle
+from raymoe.parallel.styles.layouts import all_reduce_backward, all_reduce_forward
+
+
+class MoeExpertsParallel(ParallelStyle):
+    """Experts whose output is each rank's partial sum: all-reduced forward; floating inputs all-reduced backward.
+
+    Every floating-point tensor argument (hidden states, routing weights) is replicated and each
+    rank's forward uses it for its part of the sum only, so its gradient is summed over the mesh.
+    Integer arguments (expert ids) pass through.
+    """
+
+    expert_role = ExpertRole.EXPERTS_PARTIAL_SUM
+
+    def should_use_local_tensors(self, module: nn.Module) -> bool:
+        return True
+
+    def transform_inputs_pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], mesh: DeviceMesh
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        args = tuple(_replicated_input(arg, mesh) for arg in args)
+        kwargs = {name: _replicated_input(arg, mesh) for name, arg in kwargs.items()}
+        return args, kwargs
+
+    def transform_output_post_forward(self, module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
+        return None if output is None else all_reduce_forward(output, mesh)
+
+
+class MoeIdentityParallel(ParallelStyle):
+    """An identity (or zero) expert inside TP experts: its input is divided by ``tp``.
+
+    Its output is the same on every rank, but the experts' output all-reduce sums it ``tp`` times;
+    pre-dividing cancels that (and the gradient, summed by the experts' input all-reduce, stays exact).
+    """
+
+    def transform_inputs_pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], mesh: DeviceMesh
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if not args or not isinstance(args[0], Tensor):
+            raise ValueError(f"{type(module).__name__}: moe_identity_expert needs the input tensor as first argument")
+        return (args[0] / mesh.size(), *args[1:]), kwargs
+
+
+def _replicated_input(arg: Any, mesh: DeviceMesh) -> Any:
+    if isinstance(arg, Tensor) and arg.is_floating_point():
+        return all_reduce_backward(arg, mesh)
+    return arg

@@ -1,0 +1,208 @@
+"""What a rank knows: its place in the world, the layout of the loaded model, and that model's state.
+
+Torch-side and Ray-free. The rank actor (``actors/rank.py``) calls :func:`join_world` once, then
+runs rank functions (``raymoe.rank.*``) that take the returned :class:`RankContext` first. A world
+outlives the models loaded on it: each load sets the layout it was resolved for
+(:meth:`RankContext.use_layout`, meshes cached per shape) and puts a :class:`LoadedModel` in
+``ctx.loaded``; unloading drops it and keeps the process group.
+
+Two meshes over the same ranks, named as in :mod:`raymoe.spec.topology`::
+
+    dense  (dp_replicate, fsdp,  tp)     ctx.mesh("tp"), ctx.mesh("fsdp"), ctx.mesh("dp_replicate")
+    expert (dp_replicate, efsdp, ep)     ctx.mesh("ep"), ctx.mesh("efsdp")
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from raymoe.models.common.decoder import CausalLM
+from raymoe.spec.launch import LaunchSpec
+from raymoe.spec.optimizer import OptimizerConfig
+from raymoe.spec.topology import DENSE_AXES, EXPERT_AXES, Axis, RankCoords, Topology
+
+Backend = Literal["nccl", "gloo"]
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Everything a rank needs to join the world; built on the driver, sent to each actor."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    backend: Backend | None = None
+    collective_timeout_s: float = 1800.0
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """This rank under one resolved layout: its coordinates and the two meshes of that layout."""
+
+    topology: Topology
+    coords: RankCoords
+    dense_mesh: DeviceMesh
+    expert_mesh: DeviceMesh
+
+
+@dataclass
+class Training:
+    """The optimizer of a loaded model and the configuration it was built from."""
+
+    optimizer: torch.optim.Optimizer
+    config: OptimizerConfig
+
+
+@dataclass
+class LoadedModel:
+    """The model this rank holds a shard of, the launch spec it was loaded from, and its training state."""
+
+    model: CausalLM
+    spec: LaunchSpec
+    training: Training | None = None
+
+    def require_training(self) -> Training:
+        if self.training is None:
+            raise RuntimeError("train_step before configure_training: no optimizer on this rank")
+        return self.training
+
+
+@dataclass
+class RankContext:
+    """A rank's view of the world; ``layout`` and ``loaded`` change as models are loaded and unloaded."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    layout: RankLayout | None = None
+    loaded: LoadedModel | None = None
+    _meshes: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[DeviceMesh, DeviceMesh]] = field(
+        default_factory=dict, repr=False
+    )
+
+    def use_layout(self, topology: Topology) -> RankLayout:
+        """Make ``topology`` this rank's layout; every rank must call it (new meshes create process groups)."""
+        if topology.world_size != self.world_size:
+            raise ValueError(f"a layout of {topology.world_size} ranks cannot run on a world of {self.world_size}")
+        key = (topology.mesh_shape(DENSE_AXES), topology.mesh_shape(EXPERT_AXES))
+        if key not in self._meshes:
+            self._meshes[key] = build_meshes(topology, self.device.type)
+        dense, expert = self._meshes[key]
+        self.layout = RankLayout(topology, topology.ranks[self.rank], dense, expert)
+        return self.layout
+
+    def _require_layout(self) -> RankLayout:
+        if self.layout is None:
+            raise RuntimeError("this rank has no layout yet: load a model first")
+        return self.layout
+
+    @property
+    def topology(self) -> Topology:
+        return self._require_layout().topology
+
+    @property
+    def coords(self) -> RankCoords:
+        return self._require_layout().coords
+
+    @property
+    def dense_mesh(self) -> DeviceMesh:
+        return self._require_layout().dense_mesh
+
+    @property
+    def expert_mesh(self) -> DeviceMesh:
+        return self._require_layout().expert_mesh
+
+    def mesh(self, axis: Axis | str) -> DeviceMesh:
+        """The 1-D sub-mesh of ``axis`` that contains this rank."""
+        axis = Axis(axis)
+        parent = self.dense_mesh if axis in DENSE_AXES else self.expert_mesh
+        return parent[axis.value]
+
+    def data_parallel_mesh(self, shard_axis: Axis) -> DeviceMesh:
+        """FSDP2's mesh for ``shard_axis`` (fsdp or efsdp): with ``dp_replicate`` in front for HSDP."""
+        parent = self.dense_mesh if shard_axis == Axis.FSDP else self.expert_mesh
+        if self.topology.axis_size(Axis.DP_REPLICATE) > 1:
+            return parent[(Axis.DP_REPLICATE.value, shard_axis.value)]
+        return parent[shard_axis.value]
+
+    @property
+    def answers_for_batch(self) -> bool:
+        """True on the first rank of each tp group: it returns the results of its batch rows (TOPO-1)."""
+        return self.coords.tp == 0
+
+    def require_model(self) -> LoadedModel:
+        if self.loaded is None:
+            raise RuntimeError("no model is loaded on this rank")
+        return self.loaded
+
+
+def default_backend() -> Backend:
+    """NCCL where this process sees a GPU, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def join_world(rendezvous: Rendezvous) -> RankContext:
+    """Set the torch.distributed environment, bind the device and init the process group."""
+    os.environ.update(
+        RANK=str(rendezvous.rank),
+        WORLD_SIZE=str(rendezvous.world_size),
+        LOCAL_RANK=str(rendezvous.local_rank),
+        MASTER_ADDR=rendezvous.master_addr,
+        MASTER_PORT=str(rendezvous.master_port),
+    )
+    backend = rendezvous.backend or default_backend()
+    device = _bind_device(backend)
+    dist.init_process_group(
+        backend=backend,
+        rank=rendezvous.rank,
+        world_size=rendezvous.world_size,
+        timeout=timedelta(seconds=rendezvous.collective_timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+    return RankContext(rendezvous.rank, rendezvous.world_size, device, backend)
+
+
+def use_layout(ctx: RankContext, topology: Topology) -> None:
+    """Rank function: switch this rank to ``topology`` (drops any loaded model first)."""
+    ctx.loaded = None
+    ctx.use_layout(topology)
+
+
+def _bind_device(backend: str) -> torch.device:
+    if backend != "nccl":
+        return torch.device("cpu")
+    # Ray exposes only this actor's GPU through CUDA_VISIBLE_DEVICES, so it is always index 0.
+    torch.cuda.set_device(0)
+    return torch.device("cuda", 0)
+
+
+def build_meshes(topology: Topology, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+    """The dense and expert DeviceMeshes; every rank must call this (it creates process groups)."""
+    ranks = torch.arange(topology.world_size)
+    dense = DeviceMesh(
+        device_type,
+        ranks.reshape(topology.mesh_shape(DENSE_AXES)),
+        mesh_dim_names=tuple(axis.value for axis in DENSE_AXES),
+    )
+    expert = DeviceMesh(
+        device_type,
+        ranks.reshape(topology.mesh_shape(EXPERT_AXES)),
+        mesh_dim_names=tuple(axis.value for axis in EXPERT_AXES),
+    )
+    return dense, expert
+
+
+def leave_world() -> None:
+    """Leave the process group; safe to call twice."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

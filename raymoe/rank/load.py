@@ -1,0 +1,120 @@
+"""Sharded loading on a rank: build on meta, apply the plans, read only this rank's slices (SPEC RAY-3).
+
+    meta model (checkpoint dtype) --TP rules (tp mesh)--> --EP rules (ep mesh)--> --FSDP2-->
+        parameters are DTensors on meta whose placements say which slice of each tensor this rank keeps
+    --to_empty--> local storage on the rank's device
+    --for each parameter--> reader.read(name, block) for the blocks of its slice, copied into place
+
+The styles applied are the instances the launch spec carries (resolved on the driver, custom
+ones included); no registry is read here. The checkpoint is checked whole first (missing /
+unexpected / wrong-shape tensors), so a bad checkpoint fails before anything is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from raymoe.checkpoint.model_io import open_checkpoint
+from raymoe.checkpoint.reader import CheckpointReader
+from raymoe.models.common.decoder import CausalLM
+from raymoe.parallel.apply import apply_rules
+from raymoe.parallel.fsdp import FsdpUnits, apply_fsdp
+from raymoe.parallel.sharding import Block, read_local_shard
+from raymoe.parallel.styles import ParallelStyle
+from raymoe.rank.context import LoadedModel, RankContext
+from raymoe.spec.config import DistributedConfig
+from raymoe.spec.launch import LaunchSpec
+from raymoe.spec.topology import Axis
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What one rank read: bytes requested from the checkpoint, and the bytes of its local parameters."""
+
+    rank: int
+    bytes_read: int
+    bytes_held: int
+
+
+def load_shards(ctx: RankContext, spec: LaunchSpec) -> LoadReport:
+    """Build, shard and load the model of ``spec`` on this rank, under the spec's layout; kept in ``ctx.loaded``."""
+    ctx.loaded = None  # a model loaded earlier on this world is dropped before the new one takes memory
+    ctx.use_layout(spec.topology)
+    model = spec.build_meta_model()
+    with open_checkpoint(spec.source, model, revision=spec.revision, cache_dir=spec.cache_dir) as reader:
+        reader.check({name: param.shape for name, param in model.named_parameters()}, model_name=type(model).__name__)
+        model.to(spec.torch_dtype or reader.dtype("model.embed_tokens.weight"))
+        shard_on_meta(model, spec, ctx)
+        model.to_empty(device=ctx.device)
+        bytes_read = _read_shards(model, reader)
+    ctx.loaded = LoadedModel(model, spec)
+    return LoadReport(ctx.rank, bytes_read, _bytes_held(model))
+
+
+def unload_model(ctx: RankContext) -> None:
+    """Drop this rank's model and optimizer; the world and its meshes stay for the next load."""
+    ctx.loaded = None
+
+
+def shard_on_meta(model: CausalLM, spec: LaunchSpec, ctx: RankContext) -> None:
+    """TP rules, then EP rules, then FSDP2, on the model while it is still on the meta device."""
+    plans, config = spec.plans, spec.topology.config
+    if plans.tp_rules:
+        apply_rules(model, plans.tp_rules, ctx.mesh(Axis.TP), plans.styles)
+    if plans.ep_rules:
+        apply_rules(model, plans.ep_rules, ctx.mesh(Axis.EP), ep_styles(plans.styles, ctx))
+    if uses_fsdp(config):
+        units = FsdpUnits(
+            dense_mesh=ctx.data_parallel_mesh(Axis.FSDP),
+            expert_mesh=ctx.data_parallel_mesh(Axis.EFSDP),
+            expert_modules=plans.expert_modules if plans.ep_rules else (),
+            # The fsdp_plan applies only with data parallelism; without it the root unit still carries the policies.
+            fsdp_rules=plans.fsdp_rules if config.dp_size > 1 else {},
+            mixed_precision=config.fsdp_mixed_precision,
+            cpu_offload=config.fsdp_cpu_offload,
+        )
+        apply_fsdp(model, units, ctx.device)
+
+
+def uses_fsdp(config: DistributedConfig) -> bool:
+    """FSDP2 wraps the model when there is data parallelism, expert parallelism (experts are always
+    wrapped) or an FSDP option that only FSDP can honour (mixed precision, CPU offload)."""
+    return config.dp_size > 1 or (config.ep_size or 1) > 1 or config.fsdp_mixed_precision or config.fsdp_cpu_offload
+
+
+def ep_styles(styles: Mapping[str, ParallelStyle], ctx: RankContext) -> dict[str, ParallelStyle]:
+    """The spec's styles as this rank applies them over the ep mesh: bound to its tp group when tp > 1 (EP-4)."""
+    if ctx.topology.axis_size(Axis.TP) == 1:
+        return dict(styles)
+    tp_mesh = ctx.mesh(Axis.TP)
+    return {name: style.bind_tp(tp_mesh) for name, style in styles.items()}
+
+
+def _read_shards(model: CausalLM, reader: CheckpointReader) -> int:
+    """Fill every parameter's local storage from the checkpoint; returns the bytes read."""
+    bytes_read = 0
+    for name, param in model.named_parameters():
+
+        def read(block: Block, name: str = name) -> Tensor:
+            nonlocal bytes_read
+            part = reader.read(name, block)
+            bytes_read += part.numel() * part.element_size()
+            return part
+
+        local = param.to_local() if isinstance(param, DTensor) else param
+        with torch.no_grad():
+            local.copy_(read_local_shard(param, read))
+    return bytes_read
+
+
+def _bytes_held(model: CausalLM) -> int:
+    total = 0
+    for param in model.parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        total += local.numel() * local.element_size()
+    return total

@@ -1,0 +1,99 @@
+"""What every rank will do, decided and validated on the driver before any actor starts (SPEC CFG-8, PLAN-4).
+
+    DistributedConfig ──┐
+    config.json ────────┼─> topology + meta model -> resolved plans -> LaunchSpec ──> each rank
+    world size ─────────┘        (every ValueError is raised here, nothing is read yet)
+
+Only ``config.json`` is fetched here; each rank resolves the weights itself, on its own node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from raymoe.checkpoint.hub import resolve_config_file
+from raymoe.models.common.decoder import CausalLM
+from raymoe.models.registry import build_model, parse_model_config
+from raymoe.spec.config import DistributedConfig
+from raymoe.spec.plans import ResolvedPlans, resolve_plans
+from raymoe.spec.topology import Topology, build_topology
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """A checked request to load ``source`` over ``topology``; plain data, sent to every rank."""
+
+    source: str
+    revision: str | None
+    cache_dir: str | None
+    model_config: dict[str, Any]
+    dtype: str | None
+    topology: Topology
+    plans: ResolvedPlans
+
+    def build_meta_model(self) -> CausalLM:
+        return build_model(parse_model_config(self.model_config), device="meta")
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        return DTYPES[self.dtype] if self.dtype is not None else None
+
+
+def as_config(distributed_config: DistributedConfig | dict[str, Any] | None) -> DistributedConfig:
+    if distributed_config is None:
+        return DistributedConfig()
+    if isinstance(distributed_config, dict):
+        return DistributedConfig.from_dict(distributed_config)
+    if not isinstance(distributed_config, DistributedConfig):
+        raise ValueError(
+            f"distributed_config must be a raymoe.DistributedConfig, a dict or None, got {type(distributed_config)}"
+        )
+    return distributed_config
+
+
+def dtype_name(dtype: torch.dtype | str | None) -> str | None:
+    """``None``/``"auto"`` keep the checkpoint's dtype; otherwise one of :data:`DTYPES`."""
+    if dtype is None or dtype == "auto":
+        return None
+    for name, value in DTYPES.items():
+        if dtype in (name, value):
+            return name
+    raise ValueError(f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPES)}, 'auto' or None")
+
+
+def prepare_launch(
+    name_or_path: str | os.PathLike[str],
+    distributed_config: DistributedConfig | dict[str, Any] | None = None,
+    *,
+    world_size: int | None = None,
+    dtype: torch.dtype | str | None = None,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> LaunchSpec:
+    """Validate everything that can be validated without a cluster; raise ``ValueError`` on bad input."""
+    config = as_config(distributed_config)
+    dtype_of_weights = dtype_name(dtype)
+    topology = build_topology(config, world_size)
+    config_file = resolve_config_file(name_or_path, revision=revision, cache_dir=cache_dir)
+    with config_file.open() as f:
+        raw = json.load(f)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_file} must hold a JSON object, got {type(raw).__name__}")
+    model = build_model(parse_model_config(raw), device="meta")
+    plans = resolve_plans(model, model.default_plans(), topology.config, num_experts=model.num_experts)
+    return LaunchSpec(
+        source=str(name_or_path),
+        revision=revision,
+        cache_dir=str(cache_dir) if cache_dir is not None else None,
+        model_config=raw,
+        dtype=dtype_of_weights,
+        topology=topology,
+        plans=plans,
+    )

@@ -1,0 +1,102 @@
+"""The layout rules of ARCHITECTURE.md, checked by parsing every module's imports (no module is imported).
+
+    models      pure torch: imports nothing else of raymoe
+    checkpoint  hub files: models
+    parallel    styles, FSDP2: models
+    spec        driver, pure: models, parallel (style types), checkpoint (config.json)
+    rank        inside a rank actor: models, parallel, spec, checkpoint
+    driver      handle and Trainer: models, spec, checkpoint, rank (the functions it sends)
+    actors      Ray: rank, spec, and the only package that imports ray
+
+``raymoe/api.py`` is the composition root: the one raymoe module that imports ``actors``.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ALLOWED = {
+    "models": set(),
+    "checkpoint": {"models"},
+    "parallel": {"models"},
+    "spec": {"models", "parallel", "checkpoint"},
+    "rank": {"models", "parallel", "spec", "checkpoint"},
+    "driver": {"models", "spec", "checkpoint", "rank"},
+    "actors": {"rank", "spec", "ray"},
+}
+MODULES = sorted([*(ROOT / "raymoe").rglob("*.py"), *(ROOT / "actors").rglob("*.py")])
+
+
+def room(path: Path) -> str:
+    """``models`` for raymoe/models/..., ``actors`` for actors/..., the file name for raymoe's top-level modules."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    if parts[0] == "actors":
+        return "actors"
+    return parts[1] if len(parts) > 2 else f"raymoe.{parts[1]}"
+
+
+def imported(path: Path) -> set[str]:
+    """The rooms ``path`` imports from, other than its own."""
+    return imported_rooms(path.read_text()) - {room(path)}
+
+
+def imported_rooms(source: str) -> set[str]:
+    """What ``source`` imports, as the room each import lands in (``ray`` for Ray), at any depth of the file."""
+    targets = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "raymoe" and len(parts) > 1:
+                targets.add(parts[1] if (ROOT / "raymoe" / parts[1]).is_dir() else f"raymoe.{parts[1]}")
+            elif parts[0] in ("actors", "ray"):
+                targets.add(parts[0])
+    return targets
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_each_room_imports_only_what_it_may(path):
+    here = room(path)
+    if here not in ALLOWED:  # raymoe/__init__.py and raymoe/api.py compose the rooms
+        assert here in ("raymoe.__init__", "raymoe.api"), f"{path}: a module outside the rooms"
+        return
+    extra = imported(path) - ALLOWED[here]
+    assert not extra, f"{path.relative_to(ROOT)} ({here}/) imports {sorted(extra)}; allowed: {sorted(ALLOWED[here])}"
+
+
+def test_ray_is_imported_only_in_actors_and_actors_only_by_the_api():
+    ray_users = {str(p.relative_to(ROOT)) for p in MODULES if "ray" in imported(p)}
+    actors_users = {str(p.relative_to(ROOT)) for p in MODULES if room(p) != "actors" and "actors" in imported(p)}
+    assert ray_users and all(user.startswith("actors/") for user in ray_users), ray_users
+    assert actors_users == {"raymoe/api.py"}
+
+
+def test_the_checker_sees_an_import_inside_a_function():
+    source = (ROOT / "raymoe" / "models" / "common" / "norm.py").read_text()
+    assert "parallel" not in imported_rooms(source)
+    late = source + "\n\ndef _late():\n    from raymoe.parallel.styles import STYLES\n\n    import ray\n"
+    assert {"parallel", "ray"} <= imported_rooms(late)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_module_says_what_it_is_on_its_first_line(path):
+    docstring = ast.get_docstring(ast.parse(path.read_text()), clean=False)
+    assert docstring and docstring.strip().splitlines()[0].strip(), f"{path.relative_to(ROOT)} has no first line"
+    assert path.read_text().startswith('"""'), f"{path.relative_to(ROOT)}: the docstring is not the first line"
+
+
+def test_importing_raymoe_imports_neither_ray_nor_transformers():
+    code = "import sys, raymoe; print(sorted({'ray', 'transformers'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert result.stdout.strip() == "[]"
