@@ -64,23 +64,30 @@ def group_members(ctx):
 
 
 @pytest.mark.parametrize(
-    "config",
+    ("config", "own_group"),
     [
-        {"tp_size": 2, "fsdp_size": 4, "ep_size": 2},
-        {"tp_size": 2, "fsdp_size": 4, "ep_size": 4},
-        {"tp_size": 2, "fsdp_size": 4, "ep_size": 8},
-        {"dp_replicate_size": 2, "fsdp_size": 2},
-        {"dp_replicate_size": 2, "fsdp_size": 2, "ep_size": 2},
+        ({"dp_replicate_size": 2, "fsdp_size": 2}, True),  # a group started for this layout
+        # the session's worlds, regrouped layout after layout (use_layout): the same ranks, new meshes
+        ({"tp_size": 2, "fsdp_size": 4, "ep_size": 2}, False),
+        ({"tp_size": 2, "fsdp_size": 4, "ep_size": 4}, False),
+        ({"tp_size": 2, "fsdp_size": 4, "ep_size": 8}, False),
+        ({"dp_replicate_size": 2, "fsdp_size": 2, "ep_size": 2}, False),
     ],
-    ids=lambda c: ",".join(f"{k.removesuffix('_size')}{v}" for k, v in c.items()),
+    ids=lambda c: ",".join(f"{k.removesuffix('_size')}{v}" for k, v in c.items()) if isinstance(c, dict) else "",
 )
-def test_sub_mesh_membership_equals_topology_groups(ray_session, config):
-    group = start(ray_session, **config)
-    try:
+def test_sub_mesh_membership_equals_topology_groups(ray_session, world, config, own_group):
+    topology = build_topology(DistributedConfig(**config))
+    if own_group:
+        group = RayRankGroup.for_topology(topology, OPTIONS)
+        try:
+            results = group.execute(group_members)
+        finally:
+            group.shutdown()
+    else:
+        group = world(topology.world_size)
+        group.use_layout(topology)
         results = group.execute(group_members)
-    finally:
-        group.shutdown()
-    topology = group.topology
+    assert group.topology == topology
     for rank, (members, env, backend, dense_names, expert_names) in enumerate(results):
         for axis in Axis:
             assert members[axis.value] == topology.group_of(rank, axis), (rank, axis)
