@@ -27,6 +27,9 @@ EXAMPLES = Path(__file__).resolve().parent
 DEFAULT_DATASET = EXAMPLES / "data" / "corpus.txt"
 # The embedded default's layout: 4 ranks, experts split over each tp pair (token dispatch), efsdp_size=2.
 DEFAULT_LAYOUT: dict[str, int] = {"tp_size": 2, "fsdp_size": 2, "ep_size": 2}
+# Its load balancing: the aux loss per layer (the pooled one of the checkpoint's convention leaves single layers
+# at max/mean 2 on this model; per layer they end near 1.1).
+EMBEDDED_BALANCE = "layer_aux"
 EMBEDDED_MODEL = "embedded tiny Qwen3-MoE"
 
 
@@ -80,6 +83,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument(
         "--max-grad-norm", type=float, default=1.0, help="clip threshold; 0 turns clipping off (default: %(default)s)"
     )
+    balance = parser.add_argument_group("load balancing (mixture-of-experts models)")
+    balance.add_argument(
+        "--balance",
+        help="auto (the checkpoint's convention: aux loss iff output_router_logits), aux, layer_aux, bias, none, or "
+        f"an aux loss with bias such as aux,bias (default: auto; {EMBEDDED_BALANCE} for the embedded model)",
+    )
+    balance.add_argument(
+        "--router-aux-loss-coef",
+        type=float,
+        help="aux loss coefficient (default: the checkpoint's router_aux_loss_coef)",
+    )
+    balance.add_argument(
+        "--bias-update-rate",
+        type=float,
+        default=1e-3,
+        help="bias balancing step per optimizer step (default: %(default)s)",
+    )
+    balance.add_argument(
+        "--capacity-factor",
+        type=float,
+        help="drop pairs beyond this multiple of an expert's fair share of a sequence (default: none)",
+    )
     train.add_argument(
         "--eval-every",
         type=int,
@@ -121,9 +146,11 @@ def prepare_model(args: argparse.Namespace) -> tuple[str, raymoe.TextTokenizer |
     return args.model, raymoe.load_tokenizer(args.model)
 
 
-def check_seq_len(model: str, seq_len: int) -> None:
-    """The sequence-length rule, from config.json alone: before any actor starts."""
-    max_positions = load_model_config(resolve_config_file(model).parent).max_position_embeddings
+def check_model_fits(model: str, seq_len: int, config: raymoe.TrainerConfig) -> None:
+    """The sequence-length and load-balancing rules, from config.json alone: before any actor starts."""
+    model_config = load_model_config(resolve_config_file(model).parent)
+    config.balance_options().resolve(model_config)
+    max_positions = model_config.max_position_embeddings
     if seq_len > max_positions:
         raise ValueError(
             f"--seq-len={seq_len} exceeds the model's max_position_embeddings={max_positions}; use at most that"
@@ -141,6 +168,10 @@ def trainer_config(args: argparse.Namespace) -> raymoe.TrainerConfig:
         min_lr_ratio=args.min_lr_ratio,
         weight_decay=args.weight_decay,
         max_grad_norm=args.max_grad_norm or None,
+        balance=args.balance or (EMBEDDED_BALANCE if args.model is None else "auto"),
+        router_aux_loss_coef=args.router_aux_loss_coef,
+        bias_update_rate=args.bias_update_rate,
+        capacity_factor=args.capacity_factor,
         eval_every=args.eval_every or None,
         save_every=args.save_every or None,
         seed=args.seed,
@@ -154,7 +185,7 @@ def run(args: argparse.Namespace) -> raymoe.TrainSummary:
     model_source, tokenizer = prepare_model(args)
     data = raymoe.load_dataset(args.dataset, args.seq_len, tokenizer, text_field=args.text_field)
     train_data, eval_data = data.split(args.eval_fraction)
-    check_seq_len(model_source, data.seq_len)
+    check_model_fits(model_source, data.seq_len, config)
     layout = layout_of(args)
     name = EMBEDDED_MODEL if args.model is None else args.model
     print(f"model {name}, layout {layout}, {data.num_sequences} sequences of {data.seq_len} tokens from {args.dataset}")

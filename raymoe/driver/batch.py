@@ -16,16 +16,19 @@ import torch
 from torch import Tensor
 
 from raymoe.models.common.loss import IGNORE_INDEX, count_label_tokens
+from raymoe.rank.train import MicroBatch
 from raymoe.spec.topology import Topology
 
 
 @dataclass(frozen=True)
 class GlobalBatch:
-    """A checked global batch. ``labels`` has ``IGNORE_INDEX`` wherever no loss is taken."""
+    """A checked global batch. ``labels`` has ``IGNORE_INDEX`` wherever no loss is taken; ``token_mask``
+    (bool) is False on padding (``attention_mask == 0``), which the router's aux loss does not count."""
 
     input_ids: Tensor
     labels: Tensor
     num_label_tokens: int
+    token_mask: Tensor
 
 
 def check_input_ids(input_ids: object, vocab_size: int, name: str = "input_ids") -> Tensor:
@@ -66,11 +69,13 @@ def make_global_batch(
         bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= vocab_size))
         if bool(bad.any()):
             raise ValueError(f"labels must be token ids in [0, {vocab_size}) or {IGNORE_INDEX}")
+    token_mask = torch.ones_like(ids, dtype=torch.bool)
     if attention_mask is not None:
         mask = _check_like(attention_mask, ids, "attention_mask")
         _check_right_padded(mask)
         targets = targets.masked_fill(mask == 0, IGNORE_INDEX)
-    return GlobalBatch(ids, targets, count_label_tokens(targets))
+        token_mask = mask != 0
+    return GlobalBatch(ids, targets, count_label_tokens(targets), token_mask)
 
 
 def _check_like(value: object, ids: Tensor, name: str) -> Tensor:
@@ -103,8 +108,8 @@ def split_by_rank(batch: Tensor, topology: Topology) -> list[Tensor]:
     return [blocks[coords.batch] for coords in topology.ranks]
 
 
-def split_micro_batches(input_ids: Tensor, labels: Tensor, micro_batches: int) -> list[tuple[Tensor, Tensor]]:
-    """A rank's rows as ``micro_batches`` (input_ids, labels) pairs for gradient accumulation."""
+def split_micro_batches(input_ids: Tensor, labels: Tensor, token_mask: Tensor, micro_batches: int) -> list[MicroBatch]:
+    """A rank's rows as ``micro_batches`` consecutive row blocks, for gradient accumulation."""
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
     if input_ids.shape[0] < micro_batches:
@@ -112,5 +117,5 @@ def split_micro_batches(input_ids: Tensor, labels: Tensor, micro_batches: int) -
             f"micro_batches={micro_batches} needs at least that many rows per data-parallel rank, "
             f"and a rank holds {input_ids.shape[0]}; use a larger global batch or fewer micro-batches"
         )
-    pairs = zip(torch.tensor_split(input_ids, micro_batches), torch.tensor_split(labels, micro_batches), strict=True)
-    return list(pairs)
+    parts = (torch.tensor_split(tensor, micro_batches) for tensor in (input_ids, labels, token_mask))
+    return [MicroBatch(ids, labs, mask) for ids, labs, mask in zip(*parts, strict=True)]

@@ -31,8 +31,8 @@ from raymoe.driver.batch import (
     split_by_rank,
     split_micro_batches,
 )
-from raymoe.driver.expert_load import expert_load_metrics
 from raymoe.driver.group import RankGroup, one_per_batch
+from raymoe.driver.routing import DeadExperts, aux_loss_value, expert_load_metrics
 from raymoe.models.common.config import ModelConfig
 from raymoe.models.common.generation import pad_token_for, trim_finished
 from raymoe.models.registry import parse_model_config
@@ -40,7 +40,8 @@ from raymoe.rank.evaluate import eval_loss
 from raymoe.rank.infer import forward_logits, generate_tokens
 from raymoe.rank.load import LoadReport, load_shards, unload_model
 from raymoe.rank.save import save_gathered
-from raymoe.rank.train import StepResult, configure_optimizer, train_step
+from raymoe.rank.train import MicroBatch, StepResult, configure_optimizer, train_step
+from raymoe.spec.balance import DEFAULT_BIAS_UPDATE_RATE, BalanceConfig, BalanceOptions
 from raymoe.spec.launch import LaunchSpec
 from raymoe.spec.optimizer import OptimizerConfig, check_lr
 from raymoe.spec.plans import ResolvedPlans
@@ -58,6 +59,8 @@ class DistributedModel:
         self.load_reports = load_reports
         self.model_config: ModelConfig = parse_model_config(spec.model_config)
         self._optimizer: OptimizerConfig | None = None
+        self._balance = BalanceConfig()
+        self._dead_experts = DeadExperts()
         # Frees what this handle holds when it is collected or the interpreter exits.
         release: Callable[[], None] = group.shutdown if owns_group else _unloader(group)
         self._finalizer = weakref.finalize(self, release)
@@ -163,12 +166,34 @@ class DistributedModel:
         betas: tuple[float, float] = OptimizerConfig.betas,
         eps: float = OptimizerConfig.eps,
         max_grad_norm: float | None = OptimizerConfig.max_grad_norm,
+        *,
+        balance: str = "auto",
+        router_aux_loss_coef: float | None = None,
+        bias_update_rate: float = DEFAULT_BIAS_UPDATE_RATE,
+        capacity_factor: float | None = None,
+        telemetry: bool = True,
     ) -> None:
-        """AdamW on every rank (defaults: :class:`~raymoe.spec.optimizer.OptimizerConfig`); ``max_grad_norm=None``
-        means no clipping."""
+        """AdamW on every rank (defaults: :class:`~raymoe.spec.optimizer.OptimizerConfig`; ``max_grad_norm=None``
+        means no clipping) and load balancing (:mod:`raymoe.spec.balance`).
+
+        ``balance="auto"`` follows the checkpoint (the aux loss iff its config.json has
+        ``output_router_logits``); ``router_aux_loss_coef`` overrides the checkpoint's coefficient (and, under
+        ``"auto"``, turns the aux loss on); ``"bias"`` moves the routers' selection bias by
+        ``bias_update_rate`` after each step; ``capacity_factor`` drops pairs beyond each expert's share of a
+        sequence; ``telemetry=False`` stops recording routing choices (no load metrics) unless a method
+        needs them. Every value is checked here, before any rank is asked.
+        """
         config = OptimizerConfig(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, max_grad_norm=max_grad_norm)
-        self._ranks().execute(configure_optimizer, config)
-        self._optimizer = config
+        options = BalanceOptions(balance, router_aux_loss_coef, bias_update_rate, capacity_factor, telemetry)
+        settings = options.resolve(self.model_config)
+        self._ranks().execute(configure_optimizer, config, settings)
+        self._optimizer, self._balance = config, settings
+        self._dead_experts.reset()
+
+    @property
+    def balance(self) -> BalanceConfig:
+        """The load-balancing settings the ranks train with (from the last ``configure_training``)."""
+        return self._balance
 
     def train_step(
         self,
@@ -184,6 +209,11 @@ class DistributedModel:
         ``lr`` overrides the learning rate from this step on (schedules set it every step).
         ``micro_batches > 1`` splits each rank's rows into that many forward/backward passes
         (gradient accumulation) before the one optimizer step.
+
+        Returns ``loss`` (``lm_loss + aux_loss_coef * aux_loss``), ``lm_loss``, ``grad_norm``, ``num_tokens``,
+        ``lr`` and, for MoE models, per MoE layer ``expert_load``, ``expert_imbalance``, ``rank_load``,
+        ``rank_imbalance``, ``dead_experts``, ``dropped_pairs``, and the step's ``aux_loss`` (reported even
+        when its coefficient ``aux_loss_coef`` is 0).
         """
         if self._optimizer is None:
             raise RuntimeError("call configure_training(...) before train_step")
@@ -195,15 +225,32 @@ class DistributedModel:
         if lr is not None:
             self._optimizer = self._optimizer.with_lr(lr)
         firsts = one_per_batch(results, self.topology)
+        lm_loss = sum(r.loss_sum for r in firsts) / batch.num_label_tokens
         metrics: dict[str, Any] = {
-            "loss": sum(r.loss_sum for r in firsts) / batch.num_label_tokens,
+            "loss": lm_loss,  # + aux_loss_coef * aux_loss below, for MoE models
+            "lm_loss": lm_loss,
             "grad_norm": results[0].grad_norm,
             "num_tokens": batch.num_label_tokens,
             "lr": self._optimizer.lr,
         }
-        loads = [r.expert_load for r in firsts]
-        if all(load is not None for load in loads) and loads:
-            metrics.update(expert_load_metrics([load for load in loads if load is not None], self.topology))
+        metrics.update(self._routing_metrics(firsts))
+        metrics["loss"] = lm_loss + self._balance.aux_loss_coef * metrics.get("aux_loss", 0.0)
+        return metrics
+
+    def _routing_metrics(self, firsts: list[StepResult]) -> dict[str, Any]:
+        """Routing telemetry of a step (MoE models): loads, imbalance, dead experts, drops, the aux loss."""
+        loads = [r.expert_load for r in firsts if r.expert_load is not None]
+        stats = [r.aux_stats for r in firsts if r.aux_stats is not None]
+        dropped = [r.dropped_pairs for r in firsts if r.dropped_pairs is not None]
+        if not loads or len(loads) != len(firsts):
+            return {}
+        metrics = expert_load_metrics(loads, self.topology)
+        metrics["dead_experts"] = self._dead_experts.update(torch.stack(loads).sum(dim=0))
+        metrics["dropped_pairs"] = torch.stack(dropped).sum(dim=0).tolist()
+        assert self.model_config.moe is not None  # routing metrics come from MoE models only
+        aux = aux_loss_value(stats, self.model_config.moe.num_experts, per_layer=self._balance.aux_loss_per_layer)
+        metrics["aux_loss"] = aux
+        metrics["aux_loss_coef"] = self._balance.aux_loss_coef
         return metrics
 
     def evaluate(
@@ -225,17 +272,14 @@ class DistributedModel:
 
     def _labelled_batch(
         self, input_ids: Tensor, labels: Tensor | None, attention_mask: Tensor | None, micro_batches: int
-    ) -> tuple[GlobalBatch, list[list[tuple[Tensor, Tensor]]]]:
-        """The checked global batch, and each rank's rows as ``(input_ids, labels)`` micro-batches."""
+    ) -> tuple[GlobalBatch, list[list[MicroBatch]]]:
+        """The checked global batch, and each rank's rows as micro-batches."""
         batch = make_global_batch(input_ids, labels, attention_mask, self.model_config.vocab_size)
         check_sequence_length(batch.input_ids.shape[1], self.model_config.max_position_embeddings)
         if batch.num_label_tokens == 0:
             raise ValueError("the batch has no label tokens (all labels are -100 or masked)")
-        ids_of_rank = split_by_rank(batch.input_ids, self.topology)
-        labels_of_rank = split_by_rank(batch.labels, self.topology)
-        micro = [
-            split_micro_batches(ids, labs, micro_batches) for ids, labs in zip(ids_of_rank, labels_of_rank, strict=True)
-        ]
+        parts = (split_by_rank(tensor, self.topology) for tensor in (batch.input_ids, batch.labels, batch.token_mask))
+        micro = [split_micro_batches(ids, labs, mask, micro_batches) for ids, labs, mask in zip(*parts, strict=True)]
         return batch, micro
 
     def save_pretrained(self, path: str | os.PathLike[str], max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> list[Path]:

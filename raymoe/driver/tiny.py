@@ -38,6 +38,9 @@ TINY_MOE_CONFIG: dict[str, Any] = {
     "norm_topk_prob": True,
     "decoder_sparse_step": 1,
     "mlp_only_layers": [],
+    # Trained with a load-balancing loss (SPEC LB-2): without one its routers collapse onto two experts.
+    "output_router_logits": True,
+    "router_aux_loss_coef": 0.04,
     "max_position_embeddings": 512,
     "rope_theta": 10000.0,
     "rms_norm_eps": 1e-6,

@@ -37,6 +37,7 @@ from raymoe.driver.batch import check_input_ids
 from raymoe.driver.data import PackedData, TextTokenizer
 from raymoe.driver.metrics import METRICS_FILE, PLOT_FILE, MetricsLog, plot_metrics
 from raymoe.driver.schedule import WarmupCosine
+from raymoe.spec.balance import DEFAULT_BIAS_UPDATE_RATE, BalanceOptions
 from raymoe.spec.optimizer import OptimizerConfig
 
 if TYPE_CHECKING:
@@ -54,7 +55,8 @@ class TrainerConfig:
     ``lr`` is the peak of the schedule; it and the other AdamW fields default to
     :class:`~raymoe.spec.optimizer.OptimizerConfig`'s. ``warmup_steps`` None: a tenth of ``steps``.
     ``eval_every``/``save_every`` None: evaluate only before the first and after the last step,
-    save only at the end.
+    save only at the end. ``balance``, ``router_aux_loss_coef``, ``bias_update_rate`` and
+    ``capacity_factor`` are the load-balancing options of :mod:`raymoe.spec.balance`.
     """
 
     output_dir: str | Path
@@ -68,6 +70,10 @@ class TrainerConfig:
     betas: tuple[float, float] = OptimizerConfig.betas
     eps: float = OptimizerConfig.eps
     max_grad_norm: float | None = OptimizerConfig.max_grad_norm
+    balance: str = "auto"
+    router_aux_loss_coef: float | None = None
+    bias_update_rate: float = DEFAULT_BIAS_UPDATE_RATE
+    capacity_factor: float | None = None
     eval_every: int | None = None
     save_every: int | None = None
     save_at_end: bool = True
@@ -81,8 +87,13 @@ class TrainerConfig:
         for name in ("eval_every", "save_every"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
-        # The schedule checks lr, 0 <= warmup_steps <= steps and min_lr_ratio, naming each field.
+        # The schedule checks lr, 0 <= warmup_steps <= steps and min_lr_ratio, naming each field;
+        # the balance options check theirs (all before any rank is asked).
         self.schedule()
+        self.balance_options()
+
+    def balance_options(self) -> BalanceOptions:
+        return BalanceOptions(self.balance, self.router_aux_loss_coef, self.bias_update_rate, self.capacity_factor)
 
     def schedule(self) -> WarmupCosine:
         warmup = self.warmup_steps if self.warmup_steps is not None else self.steps // 10
@@ -147,6 +158,10 @@ class Trainer:
             betas=config.betas,
             eps=config.eps,
             max_grad_norm=config.max_grad_norm,
+            balance=config.balance,
+            router_aux_loss_coef=config.router_aux_loss_coef,
+            bias_update_rate=config.bias_update_rate,
+            capacity_factor=config.capacity_factor,
         )
         self.log = MetricsLog(self.output_dir / METRICS_FILE)
 
@@ -242,9 +257,7 @@ class Trainer:
             "tokens_per_s": metrics["num_tokens"] / elapsed,
             "step_time_s": elapsed,
         }
-        if "expert_imbalance" in metrics:
-            record["max_expert_imbalance"] = max(metrics["expert_imbalance"])
-            record["max_rank_imbalance"] = max(metrics["rank_imbalance"])
+        record.update(_routing_record(metrics))
         return record
 
     def _eval_due(self) -> bool:
@@ -328,10 +341,30 @@ def _batch_indices(num_rows: int, batch_size: int, seed: int) -> Iterator[Tensor
         epoch += 1
 
 
+def _routing_record(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The routing telemetry of a step as one metrics record's fields (empty for a dense model)."""
+    if "expert_imbalance" not in metrics:
+        return {}
+    return {
+        "lm_loss": metrics["lm_loss"],
+        "aux_loss": metrics["aux_loss"],
+        "max_expert_imbalance": max(metrics["expert_imbalance"]),
+        "max_rank_imbalance": max(metrics["rank_imbalance"]),
+        "dead_experts": sum(metrics["dead_experts"]),
+        "dropped_pairs": sum(metrics["dropped_pairs"]),
+        "expert_load": metrics["expert_load"],
+    }
+
+
 def _postfix(record: dict[str, Any]) -> dict[str, str]:
     shown = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}"}
     if "max_expert_imbalance" in record:
-        shown["imbalance"] = f"{record['max_expert_imbalance']:.2f}"
+        shown["imbalance"] = f"{record['max_expert_imbalance']:.2f}"  # the worst layer
+        shown["aux"] = f"{record['aux_loss']:.3f}"
+        if record["dead_experts"]:
+            shown["dead"] = str(record["dead_experts"])
+        if record["dropped_pairs"]:
+            shown["dropped"] = str(record["dropped_pairs"])
     if "eval_loss" in record and math.isfinite(record["eval_loss"]):
         shown["eval"] = f"{record['eval_loss']:.3f}"
     return shown

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from raymoe.models.common.decoder import CausalLM
+from raymoe.spec.balance import BalanceConfig
 from raymoe.spec.launch import LaunchSpec
 from raymoe.spec.optimizer import OptimizerConfig
 from raymoe.spec.topology import DENSE_AXES, EXPERT_AXES, Axis, RankCoords, Topology
@@ -56,10 +57,11 @@ class RankLayout:
 
 @dataclass
 class Training:
-    """The optimizer of a loaded model and the configuration it was built from."""
+    """The optimizer of a loaded model, the configuration it was built from, and the load-balancing settings."""
 
     optimizer: torch.optim.Optimizer
     config: OptimizerConfig
+    balance: BalanceConfig
 
 
 @dataclass

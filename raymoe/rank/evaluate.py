@@ -7,17 +7,17 @@ label-token count of the whole global batch, the same mean :mod:`raymoe.rank.tra
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from raymoe.models.common.loss import causal_lm_loss
 from raymoe.parallel.fsdp import reshard
 from raymoe.parallel.vocab_parallel import vocab_parallel_loss, whole
 from raymoe.rank.context import RankContext
+from raymoe.rank.train import MicroBatch
 
 
 @torch.no_grad()
-def eval_loss(ctx: RankContext, micro_batches: list[tuple[Tensor, Tensor]]) -> float:
-    """Sum of the token losses over this rank's ``(input_ids [b, S], labels [b, S])`` micro-batches.
+def eval_loss(ctx: RankContext, micro_batches: list[MicroBatch]) -> float:
+    """Sum of the token losses over this rank's micro-batches (``input_ids``, ``labels`` ``[b, S]``).
 
     Every rank runs every micro-batch (the forward's collectives need all of them); rows whose
     labels are all ignored add 0.
@@ -25,10 +25,10 @@ def eval_loss(ctx: RankContext, micro_batches: list[tuple[Tensor, Tensor]]) -> f
     model = ctx.require_model().model
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float32)
-    for input_ids_BS, labels_BS in micro_batches:
+    for micro in micro_batches:
         with vocab_parallel_loss(model):
-            logits = model(input_ids_BS.to(ctx.device))
-            loss_sum += whole(causal_lm_loss(logits, labels_BS.to(ctx.device), reduction="sum")).float().cpu()
+            logits = model(micro.input_ids.to(ctx.device))
+            loss_sum += whole(causal_lm_loss(logits, micro.labels.to(ctx.device), reduction="sum")).float().cpu()
     # FSDP units keep their gathered weights after a no-grad forward; a later train step must not use them.
     reshard(model)
     return float(loss_sum)

@@ -1,11 +1,18 @@
-"""Training steps on a rank: loss of the global batch, gradient reduction, norm, clipping, AdamW (SPEC TRAIN-2).
+"""Training steps on a rank: loss of the global batch, load balancing, gradient norm, clipping, AdamW (SPEC TRAIN-2).
 
 Every data-parallel rank takes the *sum* of its token losses and divides by the number of
 label tokens in the whole global batch (counted on the driver), so summing gradients over
 data-parallel ranks (FSDP2 does, see raymoe.parallel.fsdp) gives exactly one process's gradient of the
 global mean loss, however unevenly the tokens are spread::
 
-    loss = sum_over_ranks(sum_of_token_losses_r) / global_tokens
+    loss = sum_over_ranks(sum_of_token_losses_r) / global_tokens  +  coef * aux
+
+The auxiliary load-balancing loss ``aux`` is taken from global-batch statistics
+(:mod:`raymoe.rank.balance`): each rank back-propagates its share, and the shares sum to the aux
+loss of the global batch. With ``M`` micro-batches (gradient accumulation) the statistics of later
+micro-batches are unknown while earlier ones run backward, so the step's aux loss is the mean over
+micro-batches of each micro-batch's global aux loss (micro-batch ``i`` of every data-parallel rank
+together); with ``M = 1`` it is the global batch's, exactly transformers' value in one process.
 """
 
 from __future__ import annotations
@@ -18,25 +25,51 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from raymoe.models.common.loss import causal_lm_loss
-from raymoe.models.moe.router import TopKRouter
 from raymoe.parallel.grad_norm import clip_grads, grad_norm
 from raymoe.parallel.vocab_parallel import vocab_parallel_loss, whole
+from raymoe.rank.balance import (
+    Routing,
+    aux_loss,
+    collect_routing,
+    record_routing,
+    routers,
+    sum_over_batches,
+    update_selection_bias,
+)
 from raymoe.rank.context import LoadedModel, RankContext, Training
+from raymoe.spec.balance import BalanceConfig
 from raymoe.spec.optimizer import OptimizerConfig
 
 
 @dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of a rank's rows: ``input_ids`` and ``labels`` ``[b, S]`` (-100: no loss), and
+    ``token_mask`` ``[b, S]`` bool, the real tokens (False: padding), which the aux loss counts."""
+
+    input_ids: Tensor
+    labels: Tensor
+    token_mask: Tensor
+
+
+@dataclass(frozen=True)
 class StepResult:
-    """One rank's share of a step: its summed token loss, the global gradient norm before clipping, and
-    (first rank of a tp group, MoE models) tokens per expert of its batch ``[moe_layers, E]``."""
+    """One rank's share of a step: its summed token loss, its share of the aux loss (the mean over
+    micro-batches), the global gradient norm before clipping, and (first rank of a tp group, MoE
+    models) pairs per expert ``[moe_layers, E]`` and dropped pairs ``[moe_layers]`` of its rows, and the
+    aux loss's statistics of each micro-batch ``[M, 2E + 1]`` (chosen pairs of real tokens, summed router
+    probabilities, rows), from which the driver reports the aux loss whether or not it is trained on."""
 
     loss_sum: float
     grad_norm: float
+    aux_loss: float = 0.0
     expert_load: Tensor | None = None
+    dropped_pairs: Tensor | None = None
+    aux_stats: Tensor | None = None
 
 
-def configure_optimizer(ctx: RankContext, config: OptimizerConfig) -> None:
-    """A fresh AdamW over this rank's parameters, one group per mesh (dense, expert); replaces earlier state."""
+def configure_optimizer(ctx: RankContext, config: OptimizerConfig, balance: BalanceConfig | None = None) -> None:
+    """A fresh AdamW over this rank's parameters, one group per mesh (dense, expert), and the load-balancing
+    settings; replaces earlier state."""
     loaded = ctx.require_model()
     model = loaded.model
     groups = [{"params": params, "mesh": name} for name, params in parameter_groups(loaded).items() if params]
@@ -44,9 +77,11 @@ def configure_optimizer(ctx: RankContext, config: OptimizerConfig) -> None:
     optimizer = torch.optim.AdamW(
         groups, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay, foreach=True
     )
-    loaded.training = Training(optimizer, config)
+    settings = balance or BalanceConfig()
+    loaded.training = Training(optimizer, config, settings)
+    record_routing(model, settings.record_routing)
     for router in routers(model):
-        router.record_load = True
+        router.capacity_factor = settings.capacity_factor
 
 
 def parameter_groups(loaded: LoadedModel) -> dict[str, list[nn.Parameter]]:
@@ -64,14 +99,10 @@ def parameter_groups(loaded: LoadedModel) -> dict[str, list[nn.Parameter]]:
     return groups
 
 
-def routers(model: nn.Module) -> list[TopKRouter]:
-    return [module for module in model.modules() if isinstance(module, TopKRouter)]
-
-
 def train_step(
-    ctx: RankContext, micro_batches: list[tuple[Tensor, Tensor]], global_tokens: int, lr: float | None = None
+    ctx: RankContext, micro_batches: list[MicroBatch], global_tokens: int, lr: float | None = None
 ) -> StepResult:
-    """One optimizer step over this rank's rows of the global batch, given as ``(input_ids, labels)`` micro-batches.
+    """One optimizer step over this rank's rows of the global batch, given as micro-batches.
 
     Every micro-batch's loss is divided by the token count of the whole global batch, so
     accumulating their gradients gives the gradient of the global mean loss. FSDP2 reduces
@@ -80,21 +111,28 @@ def train_step(
     loaded = ctx.require_model()
     model = loaded.model
     training = loaded.require_training()
-    optimizer, config = training.optimizer, training.config
+    optimizer, config, balance = training.optimizer, training.config, training.balance
     model.train()
     loss_sum = torch.zeros((), dtype=torch.float32)
-    expert_load: Tensor | None = None
-    for index, (input_ids_BS, labels_BS) in enumerate(micro_batches):
+    aux_sum = torch.zeros((), dtype=torch.float32)
+    routings: list[Routing] = []
+    for index, micro in enumerate(micro_batches):
         if isinstance(model, FSDPModule):
             model.set_requires_gradient_sync(index == len(micro_batches) - 1)
         with vocab_parallel_loss(model):
-            logits = model(input_ids_BS.to(ctx.device))
-            micro_loss = whole(causal_lm_loss(logits, labels_BS.to(ctx.device), reduction="sum"))
+            logits = model(micro.input_ids.to(ctx.device))
+            micro_loss = whole(causal_lm_loss(logits, micro.labels.to(ctx.device), reduction="sum"))
             # FSDP2 sums the gradients over data-parallel ranks (raymoe.parallel.fsdp), giving one process's gradient.
-            (micro_loss / global_tokens).backward()
+            objective = micro_loss / global_tokens
+            routing = collect_routing(model, micro.token_mask.reshape(-1).to(ctx.device))
+            if routing is not None and balance.aux_loss_coef > 0:
+                share = aux_loss(routing, ctx, per_layer=balance.aux_loss_per_layer) / len(micro_batches)
+                objective = objective + balance.aux_loss_coef * share
+                aux_sum += share.detach().float().cpu()
+            objective.backward()
         loss_sum += micro_loss.detach().float().cpu()
-        load = _expert_load(model)
-        expert_load = load if expert_load is None or load is None else expert_load + load
+        if routing is not None:
+            routings.append(routing)
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     norm = grad_norm(params)
     if config.max_grad_norm is not None:
@@ -104,10 +142,17 @@ def train_step(
             group["lr"] = lr
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(float(loss_sum), float(norm), expert_load if ctx.answers_for_batch else None)
-
-
-def _expert_load(model: nn.Module) -> Tensor | None:
-    """``[moe_layers, E]`` tokens per expert of the last forward, or None for a dense model."""
-    load = [router.last_load.cpu() for router in routers(model) if router.last_load is not None]
-    return torch.stack(load) if load else None
+    load_LE = torch.stack([r.load_LE for r in routings]).sum(dim=0).cpu() if routings else None
+    dropped_L = torch.stack([r.dropped_L for r in routings]).sum(dim=0).cpu() if routings else None
+    stats = torch.stack([r.aux_stats() for r in routings]).cpu() if routings else None
+    if load_LE is not None and balance.bias_update_rate is not None:
+        update_selection_bias(model, sum_over_batches(load_LE.double(), ctx), balance.bias_update_rate)
+    answers = ctx.answers_for_batch
+    return StepResult(
+        loss_sum=float(loss_sum),
+        grad_norm=float(norm),
+        aux_loss=float(aux_sum),
+        expert_load=load_LE if answers else None,
+        dropped_pairs=dropped_L if answers else None,
+        aux_stats=stats if answers else None,
+    )

@@ -129,7 +129,7 @@ def sleep_then_barrier(ctx, seconds):
 
 
 def test_killed_rank_is_reported_within_seconds(ray_session):
-    group = start(ray_session, fsdp_size=2, dp_replicate_size=2)
+    group = start(ray_session, dp_replicate_size=2)
     ids = owned(group)
     victim = group._actors[1]
     killed_at = []
@@ -139,7 +139,7 @@ def test_killed_rank_is_reported_within_seconds(ray_session):
         ray_session.kill(victim, no_restart=True)
 
     threading.Timer(2.0, kill).start()
-    with pytest.raises(RankError, match=r"rank 1 \(dp_replicate=0, fsdp=1.*failed in sleep_then_barrier: ActorDied"):
+    with pytest.raises(RankError, match=r"rank 1 \(dp_replicate=1, fsdp=0.*failed in sleep_then_barrier: ActorDied"):
         group.execute(sleep_then_barrier, 120)
     detected_after = time.monotonic() - killed_at[0]
     print(f"killed rank reported {detected_after:.2f} s after ray.kill")  # shown with -s

@@ -34,7 +34,7 @@ def rank_actors_alive(ray) -> set:
 def test_embedded_default_loss_falls_and_artefacts_exist(ray_session, finetune, tmp_path, capsys):
     before = rank_actors_alive(ray_session)
     out = tmp_path / "run"
-    assert finetune.main(["--steps", "30", "--eval-every", "10", "--output-dir", str(out), "--no-progress"]) == 0
+    assert finetune.main(["--steps", "16", "--eval-every", "8", "--output-dir", str(out), "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert "layout {'tp_size': 2, 'fsdp_size': 2, 'ep_size': 2}" in printed and "ep_size=2   E0-3   E4-7" in printed
     assert f"checkpoint  {out / 'checkpoint'}" in printed and f"plot  {out / 'metrics.png'}" in printed
@@ -42,12 +42,15 @@ def test_embedded_default_loss_falls_and_artefacts_exist(ray_session, finetune, 
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     steps = [r for r in records if "loss" in r]
-    assert [r["step"] for r in records if "eval_loss" in r] == [0, 10, 20, 30]
-    assert len(steps) == 30 and all(r["num_tokens"] == 8 * 127 for r in steps)  # 8 full rows of 128 per step
+    assert [r["step"] for r in records if "eval_loss" in r] == [0, 8, 16]
+    assert len(steps) == 16 and all(r["num_tokens"] == 8 * 127 for r in steps)  # 8 full rows of 128 per step
     assert evals[0] > 5.0 and evals[-1] < evals[0] - 1.5, evals  # from ~ln(264) down: it learns
     assert sum(r["loss"] for r in steps[-5:]) / 5 < steps[0]["loss"] - 1.5
     assert (out / "checkpoint" / "model.safetensors").is_file() and (out / "checkpoint" / "tokenizer.json").is_file()
     assert (out / "metrics.png").stat().st_size > 10_000
+    # the embedded model trains with the per-layer aux loss: its part is in the loss, the telemetry in the records
+    assert all(r["loss"] > r["lm_loss"] and r["aux_loss"] > 0 for r in steps)
+    assert all(len(r["expert_load"]) == 2 and r["dropped_pairs"] == 0 for r in steps)
     assert rank_actors_alive(ray_session) == before
 
 
@@ -59,8 +62,22 @@ def test_embedded_default_loss_falls_and_artefacts_exist(ray_session, finetune, 
         (["--seq-len", "1024"], r"--seq-len=1024 exceeds the model's max_position_embeddings=512"),
         (["--steps", "0"], r"TrainerConfig: steps=0 must be an int >= 1"),
         (["--tp-size", "2", "--fsdp-size", "16"], r"needs 32 rank slots of 1 CPUs in groups of 2 per node"),
+        (["--balance", "auxx"], r"balance='auxx': choose one of auto, aux, layer_aux, bias, none"),
+        (["--capacity-factor", "-1"], r"capacity_factor=-1.0 must be a number > 0"),
+        (["--router-aux-loss-coef", "-0.5"], r"router_aux_loss_coef=-0.5 must be a number >= 0"),
+        (["--balance", "bias"], r"balance='bias' needs a router with a per-expert selection bias"),
     ],
-    ids=["missing_dataset", "empty_dataset", "seq_len_too_long", "bad_steps", "does_not_fit_the_cluster"],
+    ids=[
+        "missing_dataset",
+        "empty_dataset",
+        "seq_len_too_long",
+        "bad_steps",
+        "does_not_fit_the_cluster",
+        "unknown_balance",
+        "negative_capacity",
+        "negative_aux_coef",
+        "bias_without_a_biased_router",
+    ],
 )
 def test_bad_input_is_one_error_before_any_step(ray_session, finetune, tmp_path, capsys, args, message):
     before = rank_actors_alive(ray_session)

@@ -151,6 +151,7 @@ def test_ray_job_submit_runs_the_example_on_the_cluster(tmp_path):
             env, "job", "submit", "--address", url, "--submission-id", job_id, "--no-wait",
             "--working-dir", str(REPO), "--",
             "python", "examples/finetune.py", "--steps", str(STEPS), "--eval-every", "0",
+            "--tp-size", "1", "--fsdp-size", "2", "--ep-size", "2",  # two ranks: token dispatch, FSDP
             "--output-dir", str(out_dir), "--no-progress",
         )  # fmt: skip
         state, logs = wait_for_job(url, env["RAY_AUTH_TOKEN"], job_id)

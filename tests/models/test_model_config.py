@@ -63,12 +63,24 @@ def test_shape_rules():
         parse_model_config({**QWEN3_MOE, "mlp_only_layers": [4]})
 
 
+def test_a_pad_token_outside_the_vocabulary_is_refused():
+    with pytest.raises(ValueError, match=r"pad_token_id=8 must be a token id below vocab_size=8"):
+        parse_model_config({**QWEN3_MOE, "vocab_size": 8, "pad_token_id": 8})
+
+
+def test_the_load_balancing_convention_is_read():
+    moe = parse_model_config({**QWEN3_MOE, "output_router_logits": True, "router_aux_loss_coef": 0.02}).moe
+    assert moe.output_router_logits and moe.router_aux_loss_coef == 0.02
+    assert parse_model_config(QWEN3_MOE).moe.router_aux_loss_coef == 0.001  # transformers' default
+    with pytest.raises(ValueError, match=r"'router_aux_loss_coef' must be a number >= 0, got -1"):
+        parse_model_config({**QWEN3_MOE, "router_aux_loss_coef": -1})
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
         ({"use_sliding_window": True}, "sliding-window attention is not implemented"),
         ({"hidden_act": "gelu"}, "only 'silu' is implemented"),
-        ({"output_router_logits": True}, "router auxiliary .* not implemented"),
         ({"attention_dropout": 0.1}, "attention dropout is not implemented"),
         (
             {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},

@@ -10,7 +10,7 @@ from ray import cloudpickle
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
 from raymoe.checkpoint import load_model
-from raymoe.rank.train import routers
+from raymoe.rank.balance import routers
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -81,9 +81,9 @@ def test_cpu_offload_keeps_weights_and_optimizer_state_on_cpu(load_on_world, tin
 def test_expert_load_metrics_count_every_routed_token_once(load_on_world, tiny_checkpoint, config):
     directory = tiny_checkpoint(MOE)
     ids = batch(96, rows=4, seq=8, seed=5)
-    single = load_model(directory)
+    single = load_model(directory).train()
     for router in routers(single):
-        router.record_load = True
+        router.record = True
     with torch.no_grad():
         single(ids)
     expected = torch.stack([r.last_load for r in routers(single)])  # [layers, experts]

@@ -3,8 +3,8 @@
 Only the fields raymoe's model definitions use are read; the whole dict is kept as ``raw`` so
 saving writes back exactly what was loaded. Every problem is a ``ValueError`` that names the
 field: a missing or invalid required field is named with its value, and a config asking for a
-feature raymoe does not implement (sliding windows, a RoPE scaling kind, router auxiliary loss,
-...) says so instead of being ignored.
+feature raymoe does not implement (sliding windows, a RoPE scaling kind, attention dropout, ...)
+says so instead of being ignored.
 
 A family (one folder under ``raymoe/models/``) calls :func:`parse_decoder_config` with its
 :class:`ConfigDefaults`: the defaults ``transformers`` uses for that model type where a hub
@@ -31,7 +31,8 @@ class ConfigDefaults:
 
     ``head_dim`` None means ``hidden_size // num_attention_heads``. ``has_mlp_bias`` says whether the
     family reads ``mlp_bias`` (Llama) or never has MLP biases; ``has_moe`` whether it reads the
-    routed-experts fields.
+    routed-experts fields; ``router_selection_bias`` whether its routers carry a per-expert selection
+    bias (``e_score_correction_bias``, DeepSeek-V3's auxiliary-loss-free balancing).
     """
 
     max_position_embeddings: int
@@ -39,6 +40,7 @@ class ConfigDefaults:
     qk_norm: bool = False
     has_mlp_bias: bool = False
     has_moe: bool = False
+    router_selection_bias: bool = False
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,12 @@ class MoeConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # The checkpoint's load-balancing convention: train on CE + router_aux_loss_coef * aux when
+    # output_router_logits is true (transformers' load_balancing_loss_func; SPEC LB-2).
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
+    # The routers carry e_score_correction_bias (a family trait): bias balancing can move it.
+    selection_bias: bool = False
 
     def is_sparse(self, layer_idx: int) -> bool:
         """Layer ``layer_idx`` routes through experts, unless listed in ``mlp_only_layers`` or off-step."""
@@ -140,13 +148,17 @@ def parse_decoder_config(raw: Mapping[str, Any], defaults: ConfigDefaults) -> Mo
         mlp_bias=fields.boolean("mlp_bias", default=False) if defaults.has_mlp_bias else False,
         qk_norm=defaults.qk_norm,
         initializer_range=fields.positive_float("initializer_range", default=0.02),
-        moe=_parse_moe(fields) if defaults.has_moe else None,
+        moe=_parse_moe(fields, defaults.router_selection_bias) if defaults.has_moe else None,
         pad_token_id=fields.optional_token_id("pad_token_id"),
         eos_token_ids=fields.token_ids("eos_token_id"),
         raw=dict(raw),
     )
     if config.head_dim % 2:
         raise ValueError(f"config.json head_dim={config.head_dim} must be even for rotary embeddings")
+    if config.pad_token_id is not None and config.pad_token_id >= config.vocab_size:
+        raise ValueError(
+            f"config.json pad_token_id={config.pad_token_id} must be a token id below vocab_size={config.vocab_size}"
+        )
     return config
 
 
@@ -158,16 +170,11 @@ def _reject_unimplemented(fields: _Fields) -> None:
         raise ValueError("config.json use_sliding_window=true: sliding-window attention is not implemented in raymoe")
     if fields.get("attention_dropout", 0.0):
         raise ValueError("config.json attention_dropout != 0: attention dropout is not implemented in raymoe")
-    if fields.get("output_router_logits", False):
-        raise ValueError(
-            "config.json output_router_logits=true: the router auxiliary (load-balancing) loss is not implemented "
-            "in raymoe yet; set it to false"
-        )
     if fields.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("config.json partial_rotary_factor != 1: partial rotary embeddings are not implemented")
 
 
-def _parse_moe(fields: _Fields) -> MoeConfig:
+def _parse_moe(fields: _Fields, selection_bias: bool) -> MoeConfig:
     # transformers writes num_experts as num_local_experts (its attribute_map); hub configs use num_experts.
     experts_key = (
         "num_local_experts" if "num_experts" not in fields.raw and "num_local_experts" in fields.raw else "num_experts"
@@ -187,6 +194,9 @@ def _parse_moe(fields: _Fields) -> MoeConfig:
         norm_topk_prob=fields.boolean("norm_topk_prob", default=False),
         decoder_sparse_step=fields.positive_int("decoder_sparse_step", default=1),
         mlp_only_layers=tuple(mlp_only),
+        output_router_logits=fields.boolean("output_router_logits", default=False),
+        router_aux_loss_coef=fields.non_negative_float("router_aux_loss_coef", default=0.001),
+        selection_bias=selection_bias,
     )
 
 
@@ -256,6 +266,12 @@ class _Fields:
 
     def positive_float(self, key: str, default: float) -> float:
         return _positive_number(f"field {key!r}", self._required(key, default))
+
+    def non_negative_float(self, key: str, default: float) -> float:
+        value = self._required(key, default)
+        if not _is_number(value) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"config.json field {key!r} must be a number >= 0, got {value!r}")
+        return float(value)
 
     def boolean(self, key: str, default: bool) -> bool:
         value = self._required(key, default)

@@ -14,11 +14,14 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, hidden_size: int, moe: MoeConfig) -> None:
         super().__init__()
-        self.gate = TopKRouter(hidden_size, moe.num_experts, moe.num_experts_per_tok, moe.norm_topk_prob)
+        self.gate = TopKRouter(
+            hidden_size, moe.num_experts, moe.num_experts_per_tok, moe.norm_topk_prob, selection_bias=moe.selection_bias
+        )
         self.experts = GroupedExperts(moe.num_experts, hidden_size, moe.moe_intermediate_size)
 
     def forward(self, x_BSH: Tensor) -> Tensor:
         hidden_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
-        topk_ids_TK, topk_weights_TK, _ = self.gate(hidden_TH)
+        # Each row of the batch is one sequence: the unit of the router's capacity limit.
+        topk_ids_TK, topk_weights_TK, _ = self.gate(hidden_TH, sequence_length=x_BSH.shape[1])
         out_TH: Tensor = self.experts(hidden_TH, topk_ids_TK, topk_weights_TK)
         return out_TH.view_as(x_BSH)

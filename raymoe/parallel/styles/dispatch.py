@@ -7,9 +7,9 @@ experts (rank ``p`` owns experts ``[p * L, (p + 1) * L)``, TOPO-2), ``R`` rows t
 Every rank is a sender (of its own pairs) and an owner (of its local experts) at once::
 
     sender                                                owner
-    hidden [T, H], ids [T, K] (global)
-      | flatten to S pairs, stable sort by global expert
-    rows [S, H]: by owner rank, then by its local expert
+    hidden [T, H], ids [T, K] (global; < 0: a pair the router's capacity limit dropped)
+      | flatten to S pairs, stable sort by global expert, dropped pairs last (never sent)
+    rows [V, H] (V kept pairs): by owner rank, then by its local expert
       | counts [P, L] --- all-to-all ---------------------> counts [P, L]: rows from each rank, per local expert
       |       .tolist() of both: the one host sync, for the split sizes
       | rows ------------ all-to-all (autograd) ---------> rows [R, H]: by source rank, then local expert
@@ -19,8 +19,8 @@ Every rank is a sender (of its own pairs) and an owner (of its local experts) at
       |                                                     | experts.compute on the local weights
       |                                                   y [G, H]
       |                                                     | undo the regrouping, drop the zero rows
-    out [S, H] (sorted) <--- all-to-all (autograd) ------ y [R, H]: by source rank, then local expert
-      | unsort, * routing weights, sum over K (on the sender, EP-3)
+    out [V, H] (sorted) <--- all-to-all (autograd) ------ y [R, H]: by source rank, then local expert
+      | + zero rows for the dropped pairs, unsort, * routing weights, sum over K (on the sender, EP-3)
     [T, H]
 
 :func:`dispatch` returns the grouped rows and a frozen :class:`DispatchMeta`; :func:`combine` takes
@@ -45,8 +45,8 @@ class DispatchMeta:
     """What :func:`combine` needs to send the experts' rows back and undo the sorting.
 
     ``send_splits[p]`` rows went to ep rank ``p`` and ``recv_splits[p]`` came from it (host ints);
-    ``pair_order_S`` is the sender's sort of its pairs, ``row_order`` the owner's regrouping of
-    ``cat(received rows, zero rows)``.
+    ``pair_order_S`` is the sender's sort of its pairs (kept pairs first, dropped ones after them),
+    ``row_order`` the owner's regrouping of ``cat(received rows, zero rows)``.
     """
 
     num_tokens: int
@@ -60,13 +60,19 @@ class DispatchMeta:
     def num_received(self) -> int:
         return sum(self.recv_splits)
 
+    @property
+    def num_sent(self) -> int:
+        """Pairs sent: every pair but those the capacity limit dropped."""
+        return sum(self.send_splits)
+
 
 def dispatch(
     hidden_TH: Tensor, ids_TK: Tensor, num_experts: int, ep_mesh: DeviceMesh
 ) -> tuple[Tensor, Tensor, DispatchMeta]:
     """Send each pair's hidden row to its expert's owner; return the rows this rank computes, grouped.
 
-    ``hidden: [T, H]`` and ``ids: [T, K]`` global expert ids, both this rank's own. Returns
+    ``hidden: [T, H]`` and ``ids: [T, K]`` global expert ids (negative: dropped, not sent), both this
+    rank's own. Returns
     ``x: [G, H]`` grouped by local expert (each group ends with one zero row), ``counts: [L]``
     (int64, on hidden's device) and the metadata for :func:`combine`.
     """
@@ -77,7 +83,7 @@ def dispatch(
     # The one host sync of the layer: the all-to-all split sizes must be host ints.
     sent, received = torch.stack([counts_PL, recv_counts_PL]).tolist()
     send_splits, recv_splits = tuple(sum(row) for row in sent), tuple(sum(row) for row in received)
-    rows_SH = hidden_TH[pair_order_S // top_k]
+    rows_SH = hidden_TH[pair_order_S[: sum(send_splits)] // top_k]
     received_RH = all_to_all_single_autograd(rows_SH, list(recv_splits), list(send_splits), ep_mesh.get_group())
     row_order, counts_L = group_by_local_expert(recv_counts_PL, sum(recv_splits))
     x_GH = torch.cat([received_RH, received_RH.new_zeros(counts_L.numel(), received_RH.shape[1])])[row_order]
@@ -95,6 +101,9 @@ def combine(y_GH: Tensor, weights_TK: Tensor, meta: DispatchMeta, ep_mesh: Devic
         y_received_RH, list(meta.send_splits), list(meta.recv_splits), ep_mesh.get_group()
     )
     hidden_size = y_sorted_SH.shape[-1]
+    num_dropped = meta.num_tokens * meta.top_k - meta.num_sent
+    if num_dropped:  # dropped pairs sorted last: their rows are zero
+        y_sorted_SH = torch.cat([y_sorted_SH, y_sorted_SH.new_zeros(num_dropped, hidden_size)])
     y_TKH = y_sorted_SH[inverse_permutation(meta.pair_order_S)].view(meta.num_tokens, meta.top_k, hidden_size)
     return (y_TKH * weights_TK.unsqueeze(-1)).sum(dim=1)
 
@@ -102,14 +111,16 @@ def combine(y_GH: Tensor, weights_TK: Tensor, meta: DispatchMeta, ep_mesh: Devic
 def sort_pairs(ids_TK: Tensor, num_experts: int, ranks: int) -> tuple[Tensor, Tensor]:
     """``(order_S, counts_PL)``: the stable sort of the flattened pairs by expert, and pairs per expert as ``[P, L]``.
 
-    Sorted by global expert, the pairs for rank ``p`` are contiguous and ordered by its local expert.
+    Sorted by global expert, the pairs for rank ``p`` are contiguous and ordered by its local expert;
+    dropped pairs (negative ids) come last and are not counted.
     """
     ids_S = ids_TK.reshape(-1)
-    order_S = torch.argsort(ids_S, stable=True)
-    # A scatter-add rather than bincount: no host sync on GPUs.
-    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=ids_S.device)
-    counts_E.scatter_add_(0, ids_S, torch.ones_like(ids_S))
-    return order_S, counts_E.view(ranks, num_experts // ranks)
+    key_S = torch.where(ids_S >= 0, ids_S, num_experts)  # dropped pairs after every expert's
+    order_S = torch.argsort(key_S, stable=True)
+    # A scatter-add rather than bincount: no host sync on GPUs. The last bin collects the dropped pairs.
+    counts_E = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids_S.device)
+    counts_E.scatter_add_(0, key_S, torch.ones_like(key_S))
+    return order_S, counts_E[:num_experts].view(ranks, num_experts // ranks)
 
 
 def exchange_counts(counts_PL: Tensor, ep_mesh: DeviceMesh) -> Tensor:
