@@ -20,7 +20,7 @@ from raymoe.spec.config import DistributedConfig
 from raymoe.spec.launch import as_config, prepare_launch
 
 if TYPE_CHECKING:
-    from actors.group import RayRankGroup
+    from actors.group import GroupOptions, RayRankGroup
 
 
 def from_pretrained(
@@ -61,7 +61,7 @@ def from_pretrained(
         return DistributedModel.launch(spec, world, owns_group=False)
 
     from actors.cluster import cluster_gpus, connect
-    from actors.group import GroupOptions, RayRankGroup
+    from actors.group import RayRankGroup
 
     if config.tp_is_deferred and world_size is None:
         connect(num_ranks=1, cpus_per_rank=cpus_per_rank)
@@ -74,13 +74,8 @@ def from_pretrained(
     spec = prepare_launch(
         name_or_path, config, world_size=world_size, dtype=dtype, revision=revision, cache_dir=cache_dir
     )
-    connect(num_ranks=spec.topology.world_size, cpus_per_rank=cpus_per_rank)
-    options = GroupOptions(
-        use_gpu=use_gpu if use_gpu is not None else cluster_gpus() > 0,
-        cpus_per_rank=cpus_per_rank,
-        backend=backend,
-        placement_timeout_s=placement_timeout_s,
-        collective_timeout_s=collective_timeout_s,
+    options = _group_options(
+        spec.topology.world_size, use_gpu, cpus_per_rank, backend, placement_timeout_s, collective_timeout_s
     )
     group = RayRankGroup.for_topology(spec.topology, options)
     return DistributedModel.launch(spec, group, owns_group=True)
@@ -103,20 +98,35 @@ def start_world(
     the largest tp / ep size you will use on a multi-node cluster). Use as a context manager, or call
     ``shutdown()``; a rank failure ends the world like it ends an owned group.
     """
-    from actors.cluster import cluster_gpus, connect
-    from actors.group import GroupOptions, RayRankGroup
+    from actors.group import RayRankGroup
 
     for name, value in (("world_size", world_size), ("block", block)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"start_world: {name}={value!r} must be an int >= 1")
     if world_size % block:
         raise ValueError(f"start_world: block={block} must divide world_size={world_size}")
-    connect(num_ranks=world_size, cpus_per_rank=cpus_per_rank)
-    options = GroupOptions(
+    options = _group_options(world_size, use_gpu, cpus_per_rank, backend, placement_timeout_s, collective_timeout_s)
+    return RayRankGroup.create(world_size, options, block=block)
+
+
+def _group_options(
+    num_ranks: int,
+    use_gpu: bool | None,
+    cpus_per_rank: float,
+    backend: Backend | None,
+    placement_timeout_s: float,
+    collective_timeout_s: float,
+) -> GroupOptions:
+    """Join Ray (sized for ``num_ranks`` when it starts a local instance) and settle the group's options;
+    ``use_gpu=None`` uses GPUs when the cluster has any."""
+    from actors.cluster import cluster_gpus, connect
+    from actors.group import GroupOptions
+
+    connect(num_ranks=num_ranks, cpus_per_rank=cpus_per_rank)
+    return GroupOptions(
         use_gpu=use_gpu if use_gpu is not None else cluster_gpus() > 0,
         cpus_per_rank=cpus_per_rank,
         backend=backend,
         placement_timeout_s=placement_timeout_s,
         collective_timeout_s=collective_timeout_s,
     )
-    return RayRankGroup.create(world_size, options, block=block)

@@ -307,6 +307,27 @@ def reference_training() -> Callable[..., tuple[list[float], list[float], Any]]:
     return _reference_training
 
 
+def _padded_batches(vocab: int, *, steps: int, rows: int, seq: int, seed: int = 0) -> list[tuple[Any, Any]]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for step in range(steps):
+        ids = torch.randint(0, vocab, (rows, seq), generator=gen)
+        mask = torch.ones_like(ids)
+        for row in range(rows):
+            pad = (row * 3 + step) % (seq - 2)
+            if pad:
+                mask[row, -pad:] = 0
+        out.append((ids, mask))
+    return out
+
+
+@pytest.fixture(scope="session")
+def padded_batches() -> Callable[..., list[tuple[Any, Any]]]:
+    """``padded_batches(vocab, steps=, rows=, seq=, seed=0)``: ``(input_ids, attention_mask)`` global batches whose
+    rows are right-padded to different lengths, so data-parallel ranks hold uneven numbers of tokens."""
+    return _padded_batches
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """``tiny_checkpoint(name)``: the directory of a transformers-saved checkpoint, made once per session."""

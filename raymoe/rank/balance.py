@@ -60,10 +60,11 @@ def record_routing(model: nn.Module, on: bool) -> None:
             router.last_routing = None
 
 
-def collect_routing(model: nn.Module, token_mask_T: Tensor) -> Routing | None:
+def collect_routing(model: nn.Module, token_mask_T: Tensor, *, with_grad: bool) -> Routing | None:
     """The routing of the forward just run; ``token_mask_T`` marks the real tokens of the flattened rows.
 
-    Each router's record is released here (it holds probabilities that are only needed for backward).
+    ``with_grad``: keep the probability sums in the autograd graph (the aux loss is trained on); otherwise
+    they are measured only. Each router's record is released here.
     """
     found = [router for router in routers(model) if router.last_routing is not None]
     if not found:
@@ -81,7 +82,8 @@ def collect_routing(model: nn.Module, token_mask_T: Tensor) -> Routing | None:
                 0, record.chosen_TK.reshape(-1), weights_P
             )
         )
-        probs.append((record.probs_TE * mask_T[:, None]).sum(dim=0))
+        probs_TE = record.probs_TE if with_grad else record.probs_TE.detach()
+        probs.append((probs_TE * mask_T[:, None]).sum(dim=0))
         loads.append(tokens_per_expert(record.chosen_TK, router.num_experts))
         dropped.append(record.num_dropped)
     return Routing(

@@ -124,8 +124,9 @@ def train_step(
             micro_loss = whole(causal_lm_loss(logits, micro.labels.to(ctx.device), reduction="sum"))
             # FSDP2 sums the gradients over data-parallel ranks (raymoe.parallel.fsdp), giving one process's gradient.
             objective = micro_loss / global_tokens
-            routing = collect_routing(model, micro.token_mask.reshape(-1).to(ctx.device))
-            if routing is not None and balance.aux_loss_coef > 0:
+            trains_aux = balance.aux_loss_coef > 0
+            routing = collect_routing(model, micro.token_mask.reshape(-1).to(ctx.device), with_grad=trains_aux)
+            if routing is not None and trains_aux:
                 share = aux_loss(routing, ctx, per_layer=balance.aux_loss_per_layer) / len(micro_batches)
                 objective = objective + balance.aux_loss_coef * share
                 aux_sum += share.detach().float().cpu()

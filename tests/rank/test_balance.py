@@ -32,19 +32,10 @@ AUX_LAYOUTS = {
 }
 
 
-def batches(vocab, seed=0):
-    """Right-padded global batches, rows of different lengths (padding is outside the aux statistics)."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for step in range(STEPS):
-        ids = torch.randint(0, vocab, (ROWS, SEQ), generator=gen)
-        mask = torch.ones_like(ids)
-        for row in range(ROWS):
-            pad = (row * 3 + step) % (SEQ - 2)
-            if pad:
-                mask[row, -pad:] = 0
-        out.append((ids, mask))
-    return out
+@pytest.fixture
+def batches(padded_batches):
+    """``batches(vocab, seed=0)``: right-padded global batches (padding is outside the aux statistics)."""
+    return lambda vocab, seed=0: padded_batches(vocab, steps=STEPS, rows=ROWS, seq=SEQ, seed=seed)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +72,7 @@ def whole_batch(model, ids, mask):
 
 @pytest.mark.parametrize("layout", list(AUX_LAYOUTS))
 def test_aux_loss_of_the_global_batch_equals_transformers_in_one_process(
-    layout, aux_checkpoint, load_hf_model, load_on_world
+    layout, aux_checkpoint, load_hf_model, load_on_world, batches
 ):
     hf_model = load_hf_model(aux_checkpoint)
     data = batches(hf_model.config.vocab_size)
@@ -122,7 +113,7 @@ def micro_batch_objective(micro_batches, dp_size):
 
 
 def test_gradient_accumulation_takes_each_micro_batch_aux_loss_over_all_ranks(
-    aux_checkpoint, load_hf_model, load_on_world
+    aux_checkpoint, load_hf_model, load_on_world, batches
 ):
     hf_model = load_hf_model(aux_checkpoint)
     data = batches(hf_model.config.vocab_size, seed=1)
@@ -146,7 +137,7 @@ def per_layer_objective(model, ids, mask):
     return out.loss - AUX_COEF * out.aux_loss + AUX_COEF * aux, aux.item()
 
 
-def test_the_per_layer_aux_loss_equals_its_hand_computation(aux_checkpoint, load_hf_model, load_on_world):
+def test_the_per_layer_aux_loss_equals_its_hand_computation(aux_checkpoint, load_hf_model, load_on_world, batches):
     hf_model = load_hf_model(aux_checkpoint)
     data = batches(hf_model.config.vocab_size, seed=2)
     reference = transformers_steps(hf_model, data, per_layer_objective)

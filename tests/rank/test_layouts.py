@@ -35,26 +35,11 @@ def rel_error(actual, expected):
     return (torch.linalg.vector_norm(actual - expected) / torch.linalg.vector_norm(expected).clamp_min(1e-12)).item()
 
 
-def global_batches(vocab, seed=0):
-    """Right-padded global batches whose rows hold different numbers of tokens (uneven per rank)."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for step in range(STEPS):
-        ids = torch.randint(0, vocab, (ROWS, SEQ), generator=gen)
-        mask = torch.ones_like(ids)
-        for row in range(ROWS):
-            pad = (row * 3 + step) % (SEQ - 2)
-            if pad:
-                mask[row, -pad:] = 0
-        out.append((ids, mask))
-    return out
-
-
 def check_layout(fixtures, config, tmp_path, checkpoint=MOE, micro_batches=1):
-    load_on_world, tiny_checkpoint, load_hf_model, reference_training = fixtures
+    load_on_world, tiny_checkpoint, load_hf_model, reference_training, padded_batches = fixtures
     directory = tiny_checkpoint(checkpoint) if isinstance(checkpoint, str) else checkpoint
     hf_model = load_hf_model(directory)
-    data = global_batches(hf_model.config.vocab_size)
+    data = padded_batches(hf_model.config.vocab_size, steps=STEPS, rows=ROWS, seq=SEQ)
     ref_losses, ref_norms, ref_model = reference_training(hf_model, data, LR, WEIGHT_DECAY)
     with load_on_world(directory, config) as model:
         model.configure_training(lr=LR, weight_decay=WEIGHT_DECAY, betas=TORCH_BETAS, max_grad_norm=None)
@@ -75,8 +60,8 @@ def check_layout(fixtures, config, tmp_path, checkpoint=MOE, micro_batches=1):
 
 
 @pytest.fixture
-def fixtures(load_on_world, tiny_checkpoint, load_hf_model, reference_training):
-    return load_on_world, tiny_checkpoint, load_hf_model, reference_training
+def fixtures(load_on_world, tiny_checkpoint, load_hf_model, reference_training, padded_batches):
+    return load_on_world, tiny_checkpoint, load_hf_model, reference_training, padded_batches
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
