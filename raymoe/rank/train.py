@@ -53,15 +53,14 @@ class MicroBatch:
 
 @dataclass(frozen=True)
 class StepResult:
-    """One rank's share of a step: its summed token loss, its share of the aux loss (the mean over
-    micro-batches), the global gradient norm before clipping, and (first rank of a tp group, MoE
-    models) pairs per expert ``[moe_layers, E]`` and dropped pairs ``[moe_layers]`` of its rows, and the
-    aux loss's statistics of each micro-batch ``[M, 2E + 1]`` (chosen pairs of real tokens, summed router
-    probabilities, rows), from which the driver reports the aux loss whether or not it is trained on."""
+    """One rank's share of a step: its summed token loss, the global gradient norm before clipping, and
+    (first rank of a tp group, MoE models) of its rows: pairs per expert ``[L, E]``, dropped pairs ``[L]``,
+    and each micro-batch's aux-loss statistics ``[M, 2 L E + 1]`` (chosen pairs of real tokens and summed
+    router probabilities per layer, real tokens), from which the driver reports the aux loss whether or
+    not it is trained on."""
 
     loss_sum: float
     grad_norm: float
-    aux_loss: float = 0.0
     expert_load: Tensor | None = None
     dropped_pairs: Tensor | None = None
     aux_stats: Tensor | None = None
@@ -114,7 +113,6 @@ def train_step(
     optimizer, config, balance = training.optimizer, training.config, training.balance
     model.train()
     loss_sum = torch.zeros((), dtype=torch.float32)
-    aux_sum = torch.zeros((), dtype=torch.float32)
     routings: list[Routing] = []
     for index, micro in enumerate(micro_batches):
         if isinstance(model, FSDPModule):
@@ -129,7 +127,6 @@ def train_step(
             if routing is not None and trains_aux:
                 share = aux_loss(routing, ctx, per_layer=balance.aux_loss_per_layer) / len(micro_batches)
                 objective = objective + balance.aux_loss_coef * share
-                aux_sum += share.detach().float().cpu()
             objective.backward()
         loss_sum += micro_loss.detach().float().cpu()
         if routing is not None:
@@ -152,7 +149,6 @@ def train_step(
     return StepResult(
         loss_sum=float(loss_sum),
         grad_norm=float(norm),
-        aux_loss=float(aux_sum),
         expert_load=load_LE if answers else None,
         dropped_pairs=dropped_L if answers else None,
         aux_stats=stats if answers else None,
