@@ -82,18 +82,17 @@ class BalanceOptions:
             return BalanceConfig(record_routing=False)
         if "bias" in methods and not config.moe.selection_bias:
             raise ValueError(
-                f"balance='bias' needs a router with a per-expert selection bias (e_score_correction_bias: "
+                f"balance={self.balance!r} needs a router with a per-expert selection bias (e_score_correction_bias: "
                 f"DeepSeek-V3, GLM-4.5); {config.model_type} has none, so a checkpoint exported from this run "
-                "could not reproduce the routing it was trained with. Use balance='aux' instead"
+                "could not reproduce the routing it was trained with. Use balance='aux' or 'layer_aux' instead"
             )
-        checkpoint_coef = config.moe.router_aux_loss_coef
-        if methods == ["auto"]:
-            aux = self.router_aux_loss_coef if self.router_aux_loss_coef is not None else checkpoint_coef
-            aux_on = config.moe.output_router_logits or self.router_aux_loss_coef is not None
+        given = self.router_aux_loss_coef
+        if methods == ["auto"]:  # the checkpoint's convention; a coefficient for the run also turns it on
+            aux_on = config.moe.output_router_logits or given is not None
         else:
-            aux = self.router_aux_loss_coef if self.router_aux_loss_coef is not None else checkpoint_coef
             aux_on = any(m in _AUX for m in methods)
-        aux_loss_coef = aux if aux_on else 0.0
+        coef = given if given is not None else config.moe.router_aux_loss_coef
+        aux_loss_coef = coef if aux_on else 0.0
         bias_update_rate = self.bias_update_rate if "bias" in methods else None
         return BalanceConfig(
             aux_loss_coef=aux_loss_coef,
