@@ -229,8 +229,40 @@ TINY_CONFIGS: dict[str, Callable[[Any], Any]] = {
         max_position_embeddings=256,
         tie_word_embeddings=True,
     ),
+    # gpt-oss: 4 experts, top-3, GQA 2, head_dim 6, three layers (sliding, full, sliding; window 5), a SwiGLU
+    # clamp low enough to bite on random weights, YaRN RoPE (the family default), untied head.
+    "gptoss_e4_k3_gqa2_window5": lambda transformers: transformers.GptOssConfig(
+        vocab_size=96,
+        max_position_embeddings=256,
+        hidden_size=40,
+        intermediate_size=12,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=6,
+        num_local_experts=4,
+        num_experts_per_tok=3,
+        sliding_window=5,
+        swiglu_limit=0.1,
+    ),
+    # Mixtral: 8 experts, top-3, GQA 2, head_dim 6 (not hidden / heads), sliding window 6 on every layer.
+    "mixtral_e8_k3_gqa2_window6": lambda transformers: transformers.MixtralConfig(
+        vocab_size=96,
+        max_position_embeddings=256,
+        hidden_size=36,
+        intermediate_size=10,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=6,
+        num_local_experts=8,
+        num_experts_per_tok=3,
+        sliding_window=6,
+    ),
 }
 MOE_CONFIGS = [name for name in TINY_CONFIGS if name.startswith("moe")]
+# Routed-expert families besides Qwen3-MoE (tests/models/test_families.py, tests/rank/test_families.py).
+FAMILY_MOE_CONFIGS = ["gptoss_e4_k3_gqa2_window5", "mixtral_e8_k3_gqa2_window6"]
 
 
 @pytest.fixture(params=list(TINY_CONFIGS))
@@ -265,8 +297,23 @@ def _load_hf_model(directory: Path) -> Any:
 
     # The eager experts loop is transformers' plainest definition (and its grouped_mm path fails
     # on CPU for dims that are not 16-byte multiples).
-    options = {"experts_implementation": "eager"} if "moe" in directory.name else {}
+    routed = "moe" in directory.name or directory.name.startswith(("gptoss", "mixtral"))
+    options = {"experts_implementation": "eager"} if routed else {}
     return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **options).eval()
+
+
+def _in_raymoe_layout(model_type: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A transformers parameter (or its gradient) in raymoe's layout: gpt-oss's expert weights are ``x @ W``
+    (``[E, in, out]``) there and ``nn.Linear`` (``[E, out, in]``) here; every other tensor is the same."""
+    if model_type == "gpt_oss" and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        return tensor.transpose(-2, -1)
+    return tensor
+
+
+@pytest.fixture(scope="session")
+def in_raymoe_layout() -> Callable[[str, str, torch.Tensor], torch.Tensor]:
+    """``in_raymoe_layout(model_type, name, tensor)``: a transformers parameter as raymoe's ``name`` holds it."""
+    return _in_raymoe_layout
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from raymoe.checkpoint.hub import resolve_checkpoint
-from raymoe.checkpoint.reader import CheckpointReader
+from raymoe.checkpoint.reader import CheckpointReader, SafetensorsFiles
 from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE, CheckpointWriter
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.registry import build_model, load_model_config
@@ -36,7 +36,17 @@ def open_checkpoint(
 ) -> CheckpointReader:
     """A reader of checkpoint ``name_or_path`` (resolved like :func:`load_model`) in ``model``'s parameter names."""
     directory = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir)
-    return CheckpointReader(directory, model.hub_layout(), model.is_ignored_hub_key)
+    return reader_for(directory, model)
+
+
+def reader_for(directory: str | os.PathLike[str], model: CausalLM) -> CheckpointReader:
+    """A reader of ``directory`` through the hub layout ``model`` picks for the tensors the checkpoint has."""
+    files = SafetensorsFiles(directory)
+    try:
+        available = frozenset(files.keys())
+    finally:
+        files.close()
+    return CheckpointReader(directory, model.hub_layout(available), model.is_ignored_hub_key)
 
 
 def load_model(
@@ -50,7 +60,7 @@ def load_model(
     """The model of checkpoint ``name_or_path`` with its weights, in the checkpoint dtype unless ``dtype`` is given."""
     directory = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir)
     model = build_model(load_model_config(directory), device="meta")
-    with CheckpointReader(directory, model.hub_layout(), model.is_ignored_hub_key) as reader:
+    with reader_for(directory, model) as reader:
         load_weights(model, reader, dtype=dtype, device=device)
     return model
 
@@ -99,6 +109,7 @@ def write_config(model: CausalLM, directory: str | os.PathLike[str]) -> Path:
     raw = dict(model.config.raw)
     raw["dtype"] = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
     raw.pop("torch_dtype", None)  # the transformers 4 spelling of "dtype"; keep one
+    raw.pop("quantization_config", None)  # raymoe writes plain tensors (an MXFP4 checkpoint is saved dequantized)
     raw.setdefault("model_type", model.model_type)
     raw.setdefault("architectures", [type(model).__name__])
     path = Path(directory) / "config.json"

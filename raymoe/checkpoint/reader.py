@@ -11,7 +11,14 @@ of the hub tensors, through ``safe_open(...).get_slice``::
         expert 4: gate_proj[0:I/2, :]        (the up half does not overlap: not read)
         expert 5: gate_proj[0:I/2, :]
 
-Tensor-parallel and expert-parallel loaders read each rank's shard this way.
+A transposed part is read with the block's last two ranges swapped; an MXFP4 part reads only the
+32-value blocks (and their scales) that the columns overlap, then dequantizes::
+
+    down_proj [E, H, I] = Mxfp4(blocks [E, H, I/32, 16], scales [E, H, I/32]), block (.., .., 40..70)
+        blocks[.., .., 1:3, :], scales[.., .., 1:3] -> 64 values (columns 32..96) -> columns 40..70
+
+Tensor-parallel and expert-parallel loaders read each rank's shard this way; ``bytes_read``
+counts the bytes taken from the files (uint8 bytes for MXFP4).
 """
 
 from __future__ import annotations
@@ -29,13 +36,15 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from raymoe.models.common.hub_layout import Concat, HubKeys, HubLayout, Stack, hub_key_names
+from raymoe.checkpoint.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK, dequantize_mxfp4
+from raymoe.models.common.hub_layout import Concat, HubKeys, HubLayout, Mxfp4, Stack, Transpose, hub_key_names
 
 SAFETENSORS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 # safetensors dtype names of the float dtypes raymoe loads; anything else (ints, fp8 with scales) is refused.
 FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+MXFP4_DTYPE = "BF16"  # what MXFP4 parameters dequantize to
 
 Block = tuple[tuple[int, int], ...]  # per dimension [start, stop)
 
@@ -47,13 +56,17 @@ class _TensorInfo:
 
 
 class SafetensorsFiles:
-    """Hub tensor name -> its file in a checkpoint directory; files opened lazily, each once."""
+    """Hub tensor name -> its file in a checkpoint directory; files opened lazily, each once.
+
+    ``bytes_read`` counts the bytes of every slice read so far (metadata not included).
+    """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory)
         self._stack = ExitStack()
         self._handles: dict[str, Any] = {}
         self._info: dict[str, _TensorInfo] = {}
+        self.bytes_read = 0
         self.file_of = self._map_files()
 
     def _map_files(self) -> dict[str, str]:
@@ -92,6 +105,7 @@ class SafetensorsFiles:
         """The ``block`` of hub tensor ``key``; only those bytes are read from the file."""
         view = self._open(self.file_of[key]).get_slice(key)
         tensor: Tensor = view[tuple(slice(start, stop) for start, stop in block)]
+        self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
     def close(self) -> None:
@@ -99,8 +113,8 @@ class SafetensorsFiles:
         self._handles.clear()
 
 
-class _LayoutMismatch(Exception):
-    """The parts of a fused parameter do not fit together (internal; reported by ``check``)."""
+class _LayoutMismatch(ValueError):
+    """The parts of a fused parameter do not fit together, or are stored wrongly (reported by ``check``)."""
 
 
 @dataclass
@@ -154,6 +168,11 @@ class CheckpointReader:
 
     def close(self) -> None:
         self.files.close()
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from the checkpoint files so far, by every read of this reader (cumulative)."""
+        return self.files.bytes_read
 
     # --- metadata ------------------------------------------------------------------------------
 
@@ -214,6 +233,13 @@ class CheckpointReader:
     def _shape(self, keys: HubKeys) -> tuple[int, ...]:
         if isinstance(keys, str):
             return self.files.info(keys).shape
+        if isinstance(keys, Transpose):
+            shape = self._shape(keys.part)
+            if len(shape) < 2:
+                raise _LayoutMismatch(f"transposed part {next(hub_key_names(keys))} is {shape}, needs 2 dims or more")
+            return (*shape[:-2], shape[-1], shape[-2])
+        if isinstance(keys, Mxfp4):
+            return self._mxfp4_shape(keys)
         shapes = [self._shape(part) for part in keys.parts]
         if isinstance(keys, Stack):
             if any(shape != shapes[0] for shape in shapes):
@@ -226,8 +252,30 @@ class CheckpointReader:
         first = shapes[0]
         return (*first[:dim], sum(shape[dim] for shape in shapes), *first[dim + 1 :])
 
+    def _mxfp4_shape(self, keys: Mxfp4) -> tuple[int, ...]:
+        """``blocks [..., R, G, 16]`` and ``scales [..., R, G]`` -> ``[..., R, G*32]``."""
+        blocks, scales = self.files.info(keys.blocks).shape, self.files.info(keys.scales).shape
+        if len(blocks) < 3 or blocks[-1] != BYTES_PER_BLOCK:
+            raise _LayoutMismatch(f"MXFP4 blocks {keys.blocks} are {blocks}, expected [..., R, G, {BYTES_PER_BLOCK}]")
+        if blocks[:-1] != scales:
+            raise _LayoutMismatch(
+                f"MXFP4 scales {keys.scales} are {scales}, expected {blocks[:-1]} (the shape of blocks {keys.blocks} "
+                "without its last dim)"
+            )
+        return (*scales[:-1], scales[-1] * BLOCK_SIZE)
+
     def _dtype_name(self, keys: HubKeys) -> str:
-        dtypes = {self.files.info(part).dtype for part in hub_key_names(keys)}
+        """The safetensors dtype name of the parameter ``keys`` assembles (``BF16`` for MXFP4)."""
+        if isinstance(keys, str):
+            return self.files.info(keys).dtype
+        if isinstance(keys, Transpose):
+            return self._dtype_name(keys.part)
+        if isinstance(keys, Mxfp4):
+            for key in (keys.blocks, keys.scales):
+                if self.files.info(key).dtype != "U8":
+                    raise _LayoutMismatch(f"MXFP4 tensor {key} is stored as {self.files.info(key).dtype}, expected U8")
+            return MXFP4_DTYPE
+        dtypes = {self._dtype_name(part) for part in keys.parts}
         if len(dtypes) > 1:
             raise _LayoutMismatch(f"parts stored in different dtypes {sorted(dtypes)}")
         return dtypes.pop()
@@ -250,6 +298,10 @@ class CheckpointReader:
             return
         if isinstance(keys, str):
             out.copy_(self.files.read(keys, block))
+        elif isinstance(keys, Transpose):  # the part's block, swapped, written through a transposed view
+            self._fill(keys.part, (*block[:-2], block[-1], block[-2]), out.transpose(-2, -1))
+        elif isinstance(keys, Mxfp4):
+            self._fill_mxfp4(keys, block, out)
         elif isinstance(keys, Stack):
             (start, stop), inner = block[0], block[1:]
             for row, part in enumerate(keys.parts[start:stop]):
@@ -269,6 +321,15 @@ class CheckpointReader:
                 part_block = (*block[:dim], (lo - offset, hi - offset), *block[dim + 1 :])
                 self._fill(part, part_block, out.narrow(dim, lo - start, hi - lo))
             offset += size
+
+    def _fill_mxfp4(self, keys: Mxfp4, block: Block, out: Tensor) -> None:
+        """Read the 32-value groups that columns ``[c0, c1)`` overlap (and their scales), dequantize, narrow."""
+        c0, c1 = block[-1]
+        groups = (c0 // BLOCK_SIZE, -(-c1 // BLOCK_SIZE))
+        blocks = self.files.read(keys.blocks, (*block[:-1], groups, (0, BYTES_PER_BLOCK)))
+        scales = self.files.read(keys.scales, (*block[:-1], groups))
+        values = dequantize_mxfp4(blocks, scales, dtype=out.dtype)
+        out.copy_(values.narrow(-1, c0 - groups[0] * BLOCK_SIZE, c1 - c0))
 
 
 def _normalise_index(index: Sequence[slice] | None, shape: tuple[int, ...], name: str) -> Block:

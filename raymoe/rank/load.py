@@ -96,20 +96,18 @@ def ep_styles(styles: Mapping[str, ParallelStyle], ctx: RankContext) -> dict[str
 
 
 def _read_shards(model: CausalLM, reader: CheckpointReader) -> int:
-    """Fill every parameter's local storage from the checkpoint; returns the bytes read."""
-    bytes_read = 0
+    """Fill every parameter's local storage from the checkpoint; returns the bytes read from its files
+    (an MXFP4 tensor's packed bytes and scales, not the dequantized values)."""
+    start = reader.bytes_read
     for name, param in model.named_parameters():
 
         def read(block: Block, name: str = name) -> Tensor:
-            nonlocal bytes_read
-            part = reader.read(name, block)
-            bytes_read += part.numel() * part.element_size()
-            return part
+            return reader.read(name, block)
 
         local = param.to_local() if isinstance(param, DTensor) else param
         with torch.no_grad():
             local.copy_(read_local_shard(param, read))
-    return bytes_read
+    return reader.bytes_read - start
 
 
 def _bytes_held(model: CausalLM) -> int:

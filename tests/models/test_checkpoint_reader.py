@@ -8,8 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from raymoe.checkpoint import CheckpointReader, load_model, open_checkpoint
+from raymoe.checkpoint import CheckpointReader, CheckpointWriter, load_model, open_checkpoint
 from raymoe.models import build_model, load_model_config
+from raymoe.models.common.hub_layout import Concat, Transpose, split_fused
 
 MOE = "moe_e5_k3_gqa2_dense_mid"  # 5 experts, I=16, layer 1 dense
 GATE_UP = "model.layers.0.mlp.experts.gate_up_proj"
@@ -150,3 +151,63 @@ def test_bad_directories_and_indexes(tmp_path, tiny_checkpoint):
             reader.read(GATE_UP, (slice(None),) * 4)
         with pytest.raises(ValueError, match="'nope' is not a parameter"):
             reader.read("nope")
+
+
+@pytest.fixture
+def transposed(tmp_path):
+    """gpt-oss bf16 style: hub ``gate_up_proj [E, H, 2I]`` (x @ W) is the model's ``[E, 2I, H]``; and
+    ``w [6, 4]`` is the transpose of ``a [4, 3]`` next to ``b [4, 3]``."""
+    generator = torch.Generator().manual_seed(0)
+    hub = {
+        "experts.gate_up_proj": torch.randn(3, 8, 10, generator=generator),
+        "a": torch.randn(4, 3, generator=generator),
+        "b": torch.randn(4, 3, generator=generator),
+    }
+    save_file(hub, tmp_path / "model.safetensors")
+    layout = {"gate_up": Transpose("experts.gate_up_proj"), "w": Transpose(Concat(("a", "b"), dim=1))}
+    return tmp_path, layout, hub
+
+
+@pytest.mark.parametrize(
+    "index",
+    [(), (slice(1, 3),), (slice(None), slice(2, 7)), (slice(0, 2), slice(3, 9), slice(1, 6)), (slice(1, 1),)],
+)
+def test_block_of_transposed_equals_slice_of_whole(transposed, index):
+    directory, layout, hub = transposed
+    with CheckpointReader(directory, layout) as reader:
+        assert reader.shape("gate_up") == (3, 10, 8) and reader.dtype("gate_up") == torch.float32
+        whole = reader.read("gate_up")
+        assert torch.equal(whole, hub["experts.gate_up_proj"].transpose(1, 2))
+        assert torch.equal(reader.read("gate_up", index), whole[index])
+        assert torch.equal(reader.read("w"), torch.cat((hub["a"], hub["b"]), dim=1).T)
+        assert torch.equal(reader.read("w", index[1:]), reader.read("w")[index[1:]])
+        reader.check({"gate_up": (3, 10, 8), "w": (6, 4)}, "Toy")
+
+
+def test_a_transposed_block_reads_the_swapped_block(transposed, monkeypatch):
+    directory, layout, _ = transposed
+    with CheckpointReader(directory, layout) as reader:
+        reads = []
+        real_read = reader.files.read
+        monkeypatch.setattr(
+            reader.files, "read", lambda key, block: reads.append((key, block)) or real_read(key, block)
+        )
+        reader.read("gate_up", (slice(1, 2), slice(2, 5), slice(0, 3)))
+        assert reads == [("experts.gate_up_proj", ((1, 2), (0, 3), (2, 5)))]
+        assert reader.bytes_read == 1 * 3 * 3 * 4  # float32
+        reader.read("w", (slice(4, 6),))  # columns 1..2 of b only
+        assert reads[1:] == [("b", ((0, 4), (1, 3)))]
+        assert reader.bytes_read == 36 + 4 * 2 * 4
+
+
+def test_transposed_round_trip_through_the_writer(transposed, tmp_path):
+    directory, layout, hub = transposed
+    with CheckpointReader(directory, layout) as reader:
+        params = {name: reader.read(name) for name in layout}
+    with CheckpointWriter(tmp_path / "saved", layout=layout) as writer:
+        for name, tensor in params.items():
+            writer.write_parameter(name, tensor)
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    assert saved.keys() == hub.keys() and all(torch.equal(saved[key], hub[key]) for key in hub)
+    with pytest.raises(ValueError, match=r"cannot transpose \(5,\) for 'x': needs 2 dims"):
+        list(split_fused(Transpose("x"), torch.zeros(5)))

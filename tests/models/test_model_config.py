@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from raymoe.models import MODEL_CLASSES, SUPPORTED_MODEL_TYPES, load_model_config, parse_model_config
+from raymoe.models import MODEL_CLASSES, SUPPORTED_MODEL_TYPES, RopeConfig, load_model_config, parse_model_config
 
 QWEN3_MOE = {
     "model_type": "qwen3_moe",
@@ -31,9 +31,11 @@ def test_every_supported_type_has_a_model_class():
 
 def test_unknown_model_type_lists_the_supported_ones():
     with pytest.raises(
-        ValueError, match=r"model_type='mixtral' is not supported; supported model types: llama, qwen3, qwen3_moe"
+        ValueError,
+        match=r"model_type='deepseek_v3' is not supported; supported model types: llama, qwen3, qwen3_moe, mixtral, "
+        "gpt_oss",
     ):
-        parse_model_config({**QWEN3_MOE, "model_type": "mixtral"})
+        parse_model_config({**QWEN3_MOE, "model_type": "deepseek_v3"})
     with pytest.raises(ValueError, match="model_type=None"):
         parse_model_config({k: v for k, v in QWEN3_MOE.items() if k != "model_type"})
 
@@ -83,8 +85,8 @@ def test_the_load_balancing_convention_is_read():
         ({"hidden_act": "gelu"}, "only 'silu' is implemented"),
         ({"attention_dropout": 0.1}, "attention dropout is not implemented"),
         (
-            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
-            "rope_type='yarn' is not implemented.*default, linear, llama3",
+            {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+            "rope_type='dynamic' is not implemented.*default, linear, llama3, yarn",
         ),
     ],
 )
@@ -142,6 +144,90 @@ def test_sparse_layers_follow_step_and_mlp_only_layers():
 def test_rope_in_legacy_and_transformers5_spelling(rope_fields):
     rope = parse_model_config({**LLAMA, **rope_fields}).rope
     assert (rope.kind, rope.theta, rope.factor, rope.original_max_position_embeddings) == ("llama3", 5e5, 8.0, 8192)
+
+
+GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+    "rope_theta": 150000.0,
+}
+
+
+def test_yarn_rope_is_read():
+    rope = parse_model_config({**LLAMA, "max_position_embeddings": 131072, "rope_parameters": GPT_OSS_ROPE}).rope
+    assert rope == RopeConfig(
+        theta=150000.0,
+        kind="yarn",
+        factor=32.0,
+        original_max_position_embeddings=4096,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+    )
+    deepseek = {"type": "yarn", "factor": 40, "mscale": 0.707, "mscale_all_dim": 0, "attention_factor": 1.5}
+    rope = parse_model_config({**LLAMA, "rope_theta": 1e4, "rope_scaling": deepseek}).rope
+    assert (rope.factor, rope.mscale, rope.mscale_all_dim, rope.attention_factor) == (40.0, 0.707, 0.0, 1.5)
+
+
+def test_yarn_defaults_follow_transformers():
+    # Absent or null optional fields: beta 32/1, truncate on, attention factor derived from factor.
+    nulls = {"beta_fast": None, "beta_slow": None, "attention_factor": None, "mscale": None}
+    for extra in ({}, nulls):
+        rope = parse_model_config({**LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, **extra}}).rope
+        assert (rope.beta_fast, rope.beta_slow, rope.truncate) == (32.0, 1.0, True)
+        assert rope.attention_factor is None and rope.mscale is None and rope.mscale_all_dim is None
+        # The pretraining context defaults to max_position_embeddings (LlamaConfig's default 2048).
+        assert rope.original_max_position_embeddings == 2048
+
+
+def test_yarn_context_and_factor_sources():
+    base = {**LLAMA, "max_position_embeddings": 8192}
+    # A top-level original_max_position_embeddings wins over the rope dict's (as transformers' rotary init).
+    rope = parse_model_config(
+        {
+            **base,
+            "original_max_position_embeddings": 1024,
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048},
+        }
+    ).rope
+    assert rope.original_max_position_embeddings == 1024
+    # A null factor is the ratio of the extended to the pretraining context.
+    yarn = {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 2048}
+    rope = parse_model_config({**base, "rope_scaling": yarn}).rope
+    assert rope.factor == 4.0
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"factor": 0}, r"'factor' must be a positive number, got 0"),
+        ({"factor": "4"}, r"'factor' must be a positive number, got '4'"),
+        ({"factor": 0.5}, r"'factor' must be >= 1, got 0.5 from the rope dict"),
+        (
+            {"factor": None, "original_max_position_embeddings": 4096},
+            r"'factor' must be >= 1, got 0.5 from max_position_embeddings / original_max_position_embeddings "
+            r"= 2048 / 4096",
+        ),
+        ({"original_max_position_embeddings": 4096.0}, r"'original_max_position_embeddings' must be .*got 4096.0"),
+        ({"original_max_position_embeddings": 0}, r"'original_max_position_embeddings' must be a positive .*got 0"),
+        ({"beta_fast": -1}, r"'beta_fast' must be a positive number, got -1"),
+        ({"beta_slow": 0}, r"'beta_slow' must be a positive number, got 0"),
+        ({"beta_fast": 1, "beta_slow": 2}, r"needs beta_fast >= beta_slow, got beta_fast=1.0, beta_slow=2.0"),
+        ({"truncate": "no"}, r"'truncate' must be true or false, got 'no'"),
+        ({"truncate": None}, r"'truncate' must be true or false, got None"),
+        ({"attention_factor": 0.0}, r"'attention_factor' must be a positive number, got 0.0"),
+        ({"mscale": -0.5}, r"'mscale' must be a number >= 0, got -0.5"),
+        ({"mscale_all_dim": float("nan")}, r"'mscale_all_dim' must be a number >= 0, got nan"),
+    ],
+)
+def test_invalid_yarn_fields_are_named(override, message):
+    yarn = {"rope_type": "yarn", "factor": 4.0, **override}
+    with pytest.raises(ValueError, match=r"config\.json rope yarn scaling .*" + message):
+        parse_model_config({**LLAMA, "rope_scaling": yarn})
 
 
 def test_load_model_config_reads_the_directory(tmp_path):

@@ -16,12 +16,14 @@ def _meta_model(make_hf_model, name):
     return build_model(parse_model_config(make_hf_model(name).config.to_dict()))
 
 
-def test_meta_model_matches_transformers_names_and_shapes(tiny_name, make_hf_model):
+def test_meta_model_matches_transformers_names_and_shapes(tiny_name, make_hf_model, in_raymoe_layout):
     reference = make_hf_model(tiny_name)
     model = _meta_model(make_hf_model, tiny_name)
     assert all(p.is_meta for p in model.parameters())
     ours = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-    theirs = {name: tuple(p.shape) for name, p in reference.state_dict().items()}
+    theirs = {
+        name: tuple(in_raymoe_layout(model.model_type, name, p).shape) for name, p in reference.state_dict().items()
+    }
     assert ours == theirs
     assert model.base_model_prefix == "model"
 

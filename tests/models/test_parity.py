@@ -35,7 +35,7 @@ def test_logits_match_transformers(tiny_name, tiny_checkpoint, load_hf_model):
     assert expected.std().item() > 1e-2  # a dead model would match trivially
 
 
-def test_adamw_step_matches_transformers(tiny_name, tiny_checkpoint, load_hf_model):
+def test_adamw_step_matches_transformers(tiny_name, tiny_checkpoint, load_hf_model, in_raymoe_layout):
     directory = tiny_checkpoint(tiny_name)
     ours, reference = load_model(directory).train(), load_hf_model(directory).train()
     before = {name: param.detach().clone() for name, param in ours.named_parameters()}
@@ -50,8 +50,9 @@ def test_adamw_step_matches_transformers(tiny_name, tiny_checkpoint, load_hf_mod
     assert actual_loss.item() == pytest.approx(expected_loss.item(), rel=STEP_RTOL)
 
     reference_params = dict(reference.named_parameters())
+    model_type = ours.model_type
     for name, param in ours.named_parameters():
-        want = reference_params[name].grad
+        want = in_raymoe_layout(model_type, name, reference_params[name].grad)
         rel = ((param.grad - want).norm() / want.norm().clamp_min(1e-12)).item()
         assert rel <= STEP_RTOL, f"{name}: gradient relative difference {rel:.2e}"
 
@@ -61,7 +62,7 @@ def test_adamw_step_matches_transformers(tiny_name, tiny_checkpoint, load_hf_mod
     for model in (ours, reference):
         torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6).step()
     for name, param in ours.named_parameters():
-        expected = reference_params[name].detach()
+        expected = in_raymoe_layout(model_type, name, reference_params[name].detach())
         assert not torch.equal(param, before[name]), f"{name} did not move"
         rel = ((param.detach() - expected).norm() / expected.norm()).item()
         assert rel <= STEP_RTOL, f"{name}: relative difference {rel:.2e}"

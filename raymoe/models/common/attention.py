@@ -1,9 +1,17 @@
-"""Grouped-query self-attention with optional per-head q/k RMSNorm (Qwen3) and a KV cache.
+"""Grouped-query self-attention with a KV cache and the variants the families need.
+
+Optional parts: per-head q/k RMSNorm (Qwen3), a sliding window (Mixtral, gpt-oss's
+``sliding_attention`` layers) and learned sinks (gpt-oss)::
+
+    scores [B, Hq, S, L] = q k^T * scale, masked: key position p is visible to the query at
+    position t when p <= t and, with a window W, p > t - W
+    sinks: one logit per head appended to every row before the softmax, then dropped, so it
+    takes probability mass without adding a value:  softmax([scores | sink_h])[..., :L] @ v
 
 Shape legend: ``B`` batch, ``S`` new tokens, ``L`` attended positions (cached + new), ``D``
 head dim, ``Hq``/``Hkv`` query and key/value heads, ``H`` hidden size. Head counts are read
 from the projected tensors, not the config, so a tensor-parallel rank whose ``q_proj`` holds
-``Hq / tp`` heads runs the same code.
+``Hq / tp`` heads (and whose ``sinks`` holds their ``Hq / tp`` sinks) runs the same code.
 """
 
 from __future__ import annotations
@@ -20,12 +28,13 @@ from raymoe.models.common.shard_hints import SHARD_BLOCK_ATTR
 
 
 class Attention(nn.Module):
-    """Causal self-attention: ``x [B, S, H]`` -> ``[B, S, H]``."""
+    """Causal self-attention of layer ``layer_idx``: ``x [B, S, H]`` -> ``[B, S, H]``."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
+        self.sliding_window = config.attention_window(layer_idx)
         hidden, bias = config.hidden_size, config.attention_bias
         self.q_proj = nn.Linear(hidden, config.num_attention_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, config.num_key_value_heads * self.head_dim, bias=bias)
@@ -37,6 +46,8 @@ class Attention(nn.Module):
         # Qwen3 normalises each head's query and key before RoPE; Llama does not.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # gpt-oss: sinks [Hq], one logit per query head.
+        self.sinks = nn.Parameter(torch.empty(config.num_attention_heads)) if config.attention_sinks else None
 
     def forward(
         self, x_BSH: Tensor, cos_SD: Tensor, sin_SD: Tensor, cache: LayerKVCache | None = None, start: int = 0
@@ -53,24 +64,63 @@ class Attention(nn.Module):
         v = v_BSHkvD.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, start)
-        out_BHqSD = _causal_attention(q, k, v, start, self.scale)
+        if self.sinks is None and self.sliding_window is None:
+            out_BHqSD = _causal_attention(q, k, v, start, self.scale)
+        else:
+            out_BHqSD = _masked_attention(q, k, v, start, self.scale, self.sliding_window, self.sinks)
         out_BSH: Tensor = self.o_proj(out_BHqSD.transpose(1, 2).reshape(batch, seq, -1))
         return out_BSH
 
 
 def _causal_attention(q_BHqSD: Tensor, k_BHkvLD: Tensor, v_BHkvLD: Tensor, start: int, scale: float) -> Tensor:
     """Query ``i`` (position ``start + i``) attends to keys at positions ``<= start + i``."""
-    groups = q_BHqSD.shape[1] // k_BHkvLD.shape[1]
-    if groups > 1:  # query head h reads kv head h // groups
-        k_BHkvLD = k_BHkvLD.repeat_interleave(groups, dim=1)
-        v_BHkvLD = v_BHkvLD.repeat_interleave(groups, dim=1)
+    k_BHkvLD, v_BHkvLD = _expand_kv(q_BHqSD, k_BHkvLD, v_BHkvLD)
     seq, length = q_BHqSD.shape[2], k_BHkvLD.shape[2]
     if seq == length:  # no cached prefix: the square causal mask
         return F.scaled_dot_product_attention(q_BHqSD, k_BHkvLD, v_BHkvLD, is_causal=True, scale=scale)
     if seq == 1:  # one new token sees every cached position
         return F.scaled_dot_product_attention(q_BHqSD, k_BHkvLD, v_BHkvLD, scale=scale)
     # SDPA's is_causal aligns the mask top-left, wrong with a cached prefix: build it explicitly.
-    key_pos = torch.arange(length, device=q_BHqSD.device)
-    query_pos = torch.arange(start, start + seq, device=q_BHqSD.device)
-    allowed_SL = key_pos[None, :] <= query_pos[:, None]
+    allowed_SL = visible_keys(seq, length, start, None, q_BHqSD.device)
     return F.scaled_dot_product_attention(q_BHqSD, k_BHkvLD, v_BHkvLD, attn_mask=allowed_SL, scale=scale)
+
+
+def _masked_attention(
+    q_BHqSD: Tensor,
+    k_BHkvLD: Tensor,
+    v_BHkvLD: Tensor,
+    start: int,
+    scale: float,
+    window: int | None,
+    sinks_Hq: Tensor | None,
+) -> Tensor:
+    """Causal attention with an optional sliding ``window`` and per-head ``sinks`` (see the module docstring)."""
+    k_BHqLD, v_BHqLD = _expand_kv(q_BHqSD, k_BHkvLD, v_BHkvLD)
+    allowed_SL = visible_keys(q_BHqSD.shape[2], k_BHqLD.shape[2], start, window, q_BHqSD.device)
+    if sinks_Hq is None:
+        return F.scaled_dot_product_attention(q_BHqSD, k_BHqLD, v_BHqLD, attn_mask=allowed_SL, scale=scale)
+    scores_BHqSL = torch.matmul(q_BHqSD, k_BHqLD.transpose(2, 3)) * scale
+    scores_BHqSL = scores_BHqSL.masked_fill(~allowed_SL, float("-inf"))
+    batch, heads, seq, _ = scores_BHqSL.shape
+    sink_BHqS1 = sinks_Hq.to(scores_BHqSL.dtype).view(1, heads, 1, 1).expand(batch, heads, seq, 1)
+    logits = torch.cat([scores_BHqSL, sink_BHqS1], dim=-1)
+    probs = torch.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)
+    return torch.matmul(probs[..., :-1].to(v_BHqLD.dtype), v_BHqLD)
+
+
+def visible_keys(seq: int, length: int, start: int, window: int | None, device: torch.device) -> Tensor:
+    """``[S, L]`` bool: the query at ``t = start + i`` sees key ``p`` iff ``p <= t`` (and ``p > t - window``)."""
+    key_pos = torch.arange(length, device=device)
+    query_pos = torch.arange(start, start + seq, device=device)
+    allowed_SL = key_pos[None, :] <= query_pos[:, None]
+    if window is not None:
+        allowed_SL &= key_pos[None, :] > query_pos[:, None] - window
+    return allowed_SL
+
+
+def _expand_kv(q_BHqSD: Tensor, k_BHkvLD: Tensor, v_BHkvLD: Tensor) -> tuple[Tensor, Tensor]:
+    """Keys and values repeated so query head ``h`` reads kv head ``h // (Hq / Hkv)``."""
+    groups = q_BHqSD.shape[1] // k_BHkvLD.shape[1]
+    if groups > 1:
+        return k_BHkvLD.repeat_interleave(groups, dim=1), v_BHkvLD.repeat_interleave(groups, dim=1)
+    return k_BHkvLD, v_BHkvLD

@@ -21,8 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from raymoe.models.common.activation import SWIGLU, GatedActivation
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _DEFAULT_ROPE_THETA = 10_000.0
+SLIDING_ATTENTION, FULL_ATTENTION = "sliding_attention", "full_attention"
 
 
 @dataclass(frozen=True)
@@ -41,18 +44,43 @@ class ConfigDefaults:
     has_mlp_bias: bool = False
     has_moe: bool = False
     router_selection_bias: bool = False
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    # Which config field sizes the routed experts, and whether the family always renormalises the
+    # top-k weights (Mixtral, gpt-oss: True) or reads norm_topk_prob (None).
+    expert_size_field: str = "moe_intermediate_size"
+    norm_topk_prob: bool | None = None
+    # Sliding-window attention: "none" (the family has none; a sliding window it cannot honour is
+    # refused), "all" (Mixtral: sliding_window, when set, applies to every layer) or "layer_types"
+    # (gpt-oss: each layer's layer_types entry picks sliding or full attention).
+    sliding_window: str = "none"
+    default_sliding_window: int | None = None
 
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding: base ``theta`` and an optional frequency scaling (``kind``)."""
+    """Rotary embedding: base ``theta`` and an optional frequency scaling (``kind``).
+
+    YaRN (``kind="yarn"``) scales the frequencies by ``factor`` outside a band of channels and blends
+    in between; the band is where a channel turns between ``beta_slow`` and ``beta_fast`` times over
+    ``original_max_position_embeddings`` positions, widened to whole channels when ``truncate``. It
+    also multiplies cos/sin by an attention factor: ``attention_factor`` when given, else one derived
+    from ``factor`` and, when both are non-zero, ``mscale`` / ``mscale_all_dim`` (None or 0: unused,
+    as in transformers).
+    """
 
     theta: float
     kind: str = "default"
-    factor: float = 1.0  # linear and llama3
+    factor: float = 1.0  # linear, llama3 and yarn
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
-    original_max_position_embeddings: int = 8192  # llama3
+    original_max_position_embeddings: int = 8192  # llama3 and yarn
+    beta_fast: float = 32.0  # yarn: rotations over the original context above which a channel keeps its frequency
+    beta_slow: float = 1.0  # yarn: rotations below which a channel is fully scaled by factor
+    truncate: bool = True  # yarn: round the blend band outward to whole channels
+    attention_factor: float | None = None  # yarn: cos/sin multiplier; None derives it from factor and mscale
+    mscale: float | None = None  # yarn: numerator weight of log(factor) in the derived attention factor
+    mscale_all_dim: float | None = None  # yarn: denominator weight of log(factor) in the derived attention factor
 
 
 @dataclass(frozen=True)
@@ -71,6 +99,11 @@ class MoeConfig:
     router_aux_loss_coef: float = 0.001
     # The routers carry e_score_correction_bias (a family trait): bias balancing can move it.
     selection_bias: bool = False
+    # gpt-oss: a bias on the router logits and on both expert projections, interleaved (gate, up)
+    # features and a clamped SwiGLU (GatedActivation).
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: GatedActivation = SWIGLU
 
     def is_sparse(self, layer_idx: int) -> bool:
         """Layer ``layer_idx`` routes through experts, unless listed in ``mlp_only_layers`` or off-step."""
@@ -100,10 +133,22 @@ class ModelConfig:
     moe: MoeConfig | None = None
     pad_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Sliding-window attention: layer i attends to the last `sliding_window` positions when
+    # layer_types[i] == "sliding_attention" (layer_types empty: every layer is full attention).
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    # gpt-oss: a learned per-head logit that takes softmax mass in every attention row.
+    attention_sinks: bool = False
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def layer_is_sparse(self, layer_idx: int) -> bool:
         return self.moe is not None and self.moe.is_sparse(layer_idx)
+
+    def attention_window(self, layer_idx: int) -> int | None:
+        """The sliding window of layer ``layer_idx``, or None for full causal attention."""
+        if self.layer_types and self.layer_types[layer_idx] == SLIDING_ATTENTION:
+            return self.sliding_window
+        return None
 
 
 def read_config_file(directory: str | Path) -> dict[str, Any]:
@@ -121,7 +166,7 @@ def read_config_file(directory: str | Path) -> dict[str, Any]:
 def parse_decoder_config(raw: Mapping[str, Any], defaults: ConfigDefaults) -> ModelConfig:
     """Build a :class:`ModelConfig` from the dict of a ``config.json`` of a family with ``defaults``."""
     model_type = str(raw.get("model_type"))
-    fields = _Fields(raw, model_type)
+    fields = ConfigFields(raw, model_type)
     _reject_unimplemented(fields)
     hidden_size = fields.positive_int("hidden_size")
     num_heads = fields.positive_int("num_attention_heads")
@@ -131,26 +176,30 @@ def parse_decoder_config(raw: Mapping[str, Any], defaults: ConfigDefaults) -> Mo
             f"config.json num_attention_heads={num_heads} must be a multiple of num_key_value_heads={num_kv_heads}"
         )
     max_positions = fields.positive_int("max_position_embeddings", default=defaults.max_position_embeddings)
+    num_layers = fields.positive_int("num_hidden_layers")
+    sliding_window, layer_types = _parse_sliding_window(fields, defaults, num_layers)
     config = ModelConfig(
         model_type=model_type,
         vocab_size=fields.positive_int("vocab_size"),
         hidden_size=hidden_size,
         intermediate_size=fields.positive_int("intermediate_size"),
-        num_hidden_layers=fields.positive_int("num_hidden_layers"),
+        num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         head_dim=fields.positive_int("head_dim", default=defaults.head_dim or hidden_size // num_heads),
-        rms_norm_eps=fields.positive_float("rms_norm_eps", default=1e-6),
+        rms_norm_eps=fields.positive_float("rms_norm_eps", default=defaults.rms_norm_eps),
         rope=_parse_rope(fields, max_positions),
         max_position_embeddings=max_positions,
         tie_word_embeddings=fields.boolean("tie_word_embeddings", default=False),
-        attention_bias=fields.boolean("attention_bias", default=False),
+        attention_bias=fields.boolean("attention_bias", default=defaults.attention_bias),
         mlp_bias=fields.boolean("mlp_bias", default=False) if defaults.has_mlp_bias else False,
         qk_norm=defaults.qk_norm,
         initializer_range=fields.positive_float("initializer_range", default=0.02),
-        moe=_parse_moe(fields, defaults.router_selection_bias) if defaults.has_moe else None,
+        moe=_parse_moe(fields, defaults) if defaults.has_moe else None,
         pad_token_id=fields.optional_token_id("pad_token_id"),
         eos_token_ids=fields.token_ids("eos_token_id"),
+        sliding_window=sliding_window,
+        layer_types=layer_types,
         raw=dict(raw),
     )
     if config.head_dim % 2:
@@ -162,7 +211,32 @@ def parse_decoder_config(raw: Mapping[str, Any], defaults: ConfigDefaults) -> Mo
     return config
 
 
-def _reject_unimplemented(fields: _Fields) -> None:
+def _parse_sliding_window(
+    fields: ConfigFields, defaults: ConfigDefaults, num_layers: int
+) -> tuple[int | None, tuple[str, ...]]:
+    """``(sliding_window, layer_types)`` as the family reads them (see :attr:`ConfigDefaults.sliding_window`)."""
+    if defaults.sliding_window == "none":
+        return None, ()
+    window = fields.raw.get("sliding_window", defaults.default_sliding_window)
+    if window is not None and (not _is_int(window) or window <= 0):
+        raise ValueError(f"config.json field 'sliding_window' must be a positive integer or null, got {window!r}")
+    if defaults.sliding_window == "all":
+        return window, (SLIDING_ATTENTION,) * num_layers if window is not None else ()
+    kinds = fields.raw.get("layer_types")
+    if kinds is None:  # the family's default: sliding, full, sliding, ...
+        kinds = [SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(num_layers)]
+    allowed = (SLIDING_ATTENTION, FULL_ATTENTION)
+    if not isinstance(kinds, list) or len(kinds) != num_layers or any(kind not in allowed for kind in kinds):
+        raise ValueError(
+            f"config.json field 'layer_types' must list one of {allowed} for each of the {num_layers} layers, "
+            f"got {kinds!r}"
+        )
+    if SLIDING_ATTENTION in kinds and window is None:
+        raise ValueError("config.json layer_types has sliding_attention layers but sliding_window is null")
+    return window, tuple(kinds)
+
+
+def _reject_unimplemented(fields: ConfigFields) -> None:
     """Fields whose non-default value changes the model in a way raymoe does not implement."""
     if fields.get("hidden_act", "silu") not in ("silu", "swish"):  # two names of one function
         raise ValueError(f"config.json hidden_act={fields.get('hidden_act', None)!r}: only 'silu' is implemented")
@@ -174,7 +248,7 @@ def _reject_unimplemented(fields: _Fields) -> None:
         raise ValueError("config.json partial_rotary_factor != 1: partial rotary embeddings are not implemented")
 
 
-def _parse_moe(fields: _Fields, selection_bias: bool) -> MoeConfig:
+def _parse_moe(fields: ConfigFields, defaults: ConfigDefaults) -> MoeConfig:
     # transformers writes num_experts as num_local_experts (its attribute_map); hub configs use num_experts.
     experts_key = (
         "num_local_experts" if "num_experts" not in fields.raw and "num_local_experts" in fields.raw else "num_experts"
@@ -190,17 +264,24 @@ def _parse_moe(fields: _Fields, selection_bias: bool) -> MoeConfig:
     return MoeConfig(
         num_experts=num_experts,
         num_experts_per_tok=top_k,
-        moe_intermediate_size=fields.positive_int("moe_intermediate_size"),
-        norm_topk_prob=fields.boolean("norm_topk_prob", default=False),
+        moe_intermediate_size=fields.positive_int(defaults.expert_size_field),
+        norm_topk_prob=_norm_topk_prob(fields, defaults),
         decoder_sparse_step=fields.positive_int("decoder_sparse_step", default=1),
         mlp_only_layers=tuple(mlp_only),
         output_router_logits=fields.boolean("output_router_logits", default=False),
         router_aux_loss_coef=fields.non_negative_float("router_aux_loss_coef", default=0.001),
-        selection_bias=selection_bias,
+        selection_bias=defaults.router_selection_bias,
     )
 
 
-def _parse_rope(fields: _Fields, max_positions: int) -> RopeConfig:
+def _norm_topk_prob(fields: ConfigFields, defaults: ConfigDefaults) -> bool:
+    """The family's fixed choice, or the config's ``norm_topk_prob`` (default false)."""
+    if defaults.norm_topk_prob is not None:
+        return defaults.norm_topk_prob
+    return fields.boolean("norm_topk_prob", default=False)
+
+
+def _parse_rope(fields: ConfigFields, max_positions: int) -> RopeConfig:
     # Hub configs spell this three ways: legacy `rope_scaling` (+ top-level `rope_theta`), or
     # transformers 5's `rope_parameters` holding the theta too. `rope_scaling` wins, as in transformers.
     params = fields.get("rope_scaling", None) or fields.get("rope_parameters", None) or {}
@@ -214,6 +295,8 @@ def _parse_rope(fields: _Fields, max_positions: int) -> RopeConfig:
     theta = _positive_number("rope_theta", params.get("rope_theta", fields.get("rope_theta", _DEFAULT_ROPE_THETA)))
     if kind == "default":
         return RopeConfig(theta=theta)
+    if kind == "yarn":
+        return _parse_yarn(fields, params, theta, max_positions)
     factor = _positive_number(f"rope {kind} scaling 'factor'", params.get("factor"))
     if kind == "linear":
         return RopeConfig(theta=theta, kind=kind, factor=factor)
@@ -233,13 +316,69 @@ def _parse_rope(fields: _Fields, max_positions: int) -> RopeConfig:
     )
 
 
+def _parse_yarn(fields: ConfigFields, params: Mapping[str, Any], theta: float, max_positions: int) -> RopeConfig:
+    """The YaRN fields of ``params`` (the rope dict); null or absent optional fields take transformers' defaults."""
+    # The pretraining context: a top-level field wins over the rope dict's, then max_position_embeddings
+    # (transformers' order). An absent factor is the ratio of the extended to the pretraining context.
+    original = fields.get("original_max_position_embeddings", params.get("original_max_position_embeddings"))
+    if original is None:
+        original = max_positions
+    elif not _is_int(original) or original <= 0:
+        raise ValueError(
+            "config.json rope yarn scaling 'original_max_position_embeddings' must be a positive integer, "
+            f"got {original!r}"
+        )
+    if params.get("factor") is None:
+        factor = max_positions / original
+        source = f"max_position_embeddings / original_max_position_embeddings = {max_positions} / {original}"
+    else:
+        factor = _positive_number("rope yarn scaling 'factor'", params.get("factor"))
+        source = "the rope dict"
+    if factor < 1:
+        raise ValueError(f"config.json rope yarn scaling 'factor' must be >= 1, got {factor!r} from {source}")
+    beta_fast = _optional_positive("rope yarn scaling 'beta_fast'", params.get("beta_fast")) or 32.0
+    beta_slow = _optional_positive("rope yarn scaling 'beta_slow'", params.get("beta_slow")) or 1.0
+    if beta_fast < beta_slow:
+        raise ValueError(
+            "config.json rope yarn scaling needs beta_fast >= beta_slow, "
+            f"got beta_fast={beta_fast}, beta_slow={beta_slow}"
+        )
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ValueError(f"config.json rope yarn scaling 'truncate' must be true or false, got {truncate!r}")
+    return RopeConfig(
+        theta=theta,
+        kind="yarn",
+        factor=factor,
+        original_max_position_embeddings=int(original),
+        beta_fast=beta_fast,
+        beta_slow=beta_slow,
+        truncate=truncate,
+        attention_factor=_optional_positive("rope yarn scaling 'attention_factor'", params.get("attention_factor")),
+        mscale=_optional_non_negative("rope yarn scaling 'mscale'", params.get("mscale")),
+        mscale_all_dim=_optional_non_negative("rope yarn scaling 'mscale_all_dim'", params.get("mscale_all_dim")),
+    )
+
+
+def _optional_positive(what: str, value: Any) -> float | None:
+    return None if value is None else _positive_number(what, value)
+
+
+def _optional_non_negative(what: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if not _is_number(value) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"config.json {what} must be a number >= 0, got {value!r}")
+    return float(value)
+
+
 def _positive_number(what: str, value: Any) -> float:
     if not _is_number(value) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"config.json {what} must be a positive number, got {value!r}")
     return float(value)
 
 
-class _Fields:
+class ConfigFields:
     """Typed reads of config.json fields; every error names the field, its value and the model type."""
 
     def __init__(self, raw: Mapping[str, Any], model_type: str) -> None:

@@ -12,6 +12,7 @@ Shape legend: ``B`` batch, ``S`` tokens, ``H`` hidden size, ``D`` head dim, ``V`
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from typing import ClassVar
 
 import torch
@@ -30,9 +31,9 @@ from raymoe.models.moe import GroupedExperts, TopKRouter
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: ``x + attn(norm(x))``, then ``h + mlp(norm(h))``. ``[B, S, H]`` in and out."""
 
-    def __init__(self, config: ModelConfig, mlp: nn.Module) -> None:
+    def __init__(self, config: ModelConfig, mlp: nn.Module, layer_idx: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer_idx)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -80,7 +81,7 @@ class CausalLM(nn.Module, ABC):
         if config.model_type != self.model_type:
             raise ValueError(f"{type(self).__name__} builds model_type {self.model_type!r}, got {config.model_type!r}")
         self.config = config
-        layers = [DecoderLayer(config, self.build_mlp(config, i)) for i in range(config.num_hidden_layers)]
+        layers = [DecoderLayer(config, self.build_mlp(config, i), i) for i in range(config.num_hidden_layers)]
         self.model = DecoderModel(config, layers)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
@@ -102,6 +103,10 @@ class CausalLM(nn.Module, ABC):
         """Routed experts per sparse layer; None for a dense model."""
         return None
 
+    def sparse_layers(self) -> list[int]:
+        """Indices of the layers whose feed-forward routes through experts."""
+        return [i for i in range(self.config.num_hidden_layers) if self.config.layer_is_sparse(i)]
+
     @property
     def supports_tp_plan(self) -> bool:
         return bool(self.default_plans().tp)
@@ -111,8 +116,13 @@ class CausalLM(nn.Module, ABC):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def hub_layout(self) -> HubLayout:
-        """Every parameter (a tied one once) -> the hub tensors it is made of; here each is its own name."""
+    def hub_layout(self, available: Collection[str] | None = None) -> HubLayout:
+        """Every parameter (a tied one once) -> the hub tensors it is made of; here each is its own name.
+
+        ``available`` are the tensor names of the checkpoint being read: a family whose checkpoints
+        come in several layouts (per-expert or fused, quantized or not) picks the one present.
+        None (saving) asks for the layout raymoe writes.
+        """
         return {name: name for name, _ in self.named_parameters()}
 
     def is_ignored_hub_key(self, key: str) -> bool:
@@ -127,8 +137,10 @@ class CausalLM(nn.Module, ABC):
         for module in self.modules():
             if isinstance(module, nn.Linear | nn.Embedding | TopKRouter):
                 nn.init.normal_(module.weight, std=std)
-            if isinstance(module, nn.Linear) and module.bias is not None:
+            if isinstance(module, nn.Linear | TopKRouter) and module.bias is not None:
                 nn.init.zeros_(module.bias)
+            if isinstance(module, Attention) and module.sinks is not None:
+                nn.init.normal_(module.sinks, std=std)
             if isinstance(module, nn.Embedding) and module.padding_idx is not None:
                 module.weight[module.padding_idx].zero_()
             if isinstance(module, RMSNorm):

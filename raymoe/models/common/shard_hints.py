@@ -4,11 +4,20 @@ Models know nothing of distribution; they describe their modules with plain attr
 the parallel styles (:mod:`raymoe.parallel.styles`) read them:
 
     tp_block_size       on a projection whose features come in indivisible blocks (attention:
-                        head_dim), so a plan that would give a rank part of a head fails early
+                        head_dim), so a plan that would give a rank part of a head fails early;
+                        an int for every parameter of the module, or {parameter name: int}
+                        (gpt-oss experts: interleaved (gate, up) pairs in gate_up_proj only)
     num_experts         on a router or experts module: how many experts it scores or holds
     qk_rope_head_dim    on MLA's kv_a_proj_with_mqa: how many output features are the RoPE part
+    expert_batched      on an experts module: every parameter leads with the expert dim
+                        (weights [E, out, in], biases [E, out])
+    output_bias         on an experts module: the name of the bias added once to each routed
+                        pair's output ([E, H]); a style whose ranks each add a partial sum of the
+                        output adds 1/size of it on each rank when it is not split
 """
 
 SHARD_BLOCK_ATTR = "tp_block_size"
 NUM_EXPERTS_ATTR = "num_experts"
 ROPE_DIM_ATTR = "qk_rope_head_dim"
+EXPERT_BATCHED_ATTR = "expert_batched"
+OUTPUT_BIAS_ATTR = "output_bias"

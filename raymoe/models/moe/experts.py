@@ -3,29 +3,49 @@
 Shape legend: ``T`` tokens, ``K`` experts per token, ``S = T * K`` (token, expert) pairs, ``E``
 experts held by this module, ``H`` hidden size, ``I`` expert intermediate size.
 
-Layout (transformers 5's, so plan keys and tensor-parallel slicing read the same):
-``gate_up_proj [E, 2I, H]`` holds each expert's gate rows then its up rows, and
-``down_proj [E, H, I]``. The hub stores them per expert (``experts.{e}.gate_proj.weight`` ...);
-the checkpoint reader fuses them at load time.
+Layout (``nn.Linear``'s ``[out, in]`` per expert, so plan keys and tensor-parallel slicing read the same):
+``gate_up_proj [E, 2I, H]`` holds each expert's gate and up rows (as halves or interleaved, see
+:mod:`raymoe.models.common.activation`) and ``down_proj [E, H, I]``. Families with expert biases (gpt-oss)
+add ``gate_up_proj_bias [E, 2I]`` and ``down_proj_bias [E, H]``. Hub checkpoints store experts per
+expert, fused, transposed or quantized; the family's hub layout says how, and the checkpoint reader
+assembles these shapes at load time.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from raymoe.models.common.activation import SWIGLU, GatedActivation
+from raymoe.models.common.shard_hints import EXPERT_BATCHED_ATTR, OUTPUT_BIAS_ATTR, SHARD_BLOCK_ATTR
 from raymoe.models.moe.grouped_mm import GemmBackend, grouped_mm
 
 
 class GroupedExperts(nn.Module):
-    """SwiGLU experts: ``y = down_e(silu(gate_e(x)) * up_e(x))`` for each routed (token, expert) pair."""
+    """Gated experts: ``y = down_e(act(gate_up_e(x)))`` for each routed (token, expert) pair (``act``: SwiGLU)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        bias: bool = False,
+        activation: GatedActivation = SWIGLU,
+    ) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.activation = activation
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
+        # Every parameter leads with the expert dim; the down bias is added once per routed pair.
+        setattr(self, EXPERT_BATCHED_ATTR, True)
+        if bias:
+            setattr(self, OUTPUT_BIAS_ATTR, "down_proj_bias")
+        if activation.interleaved:  # a tensor-parallel shard of gate_up must hold whole (gate, up) pairs
+            setattr(self, SHARD_BLOCK_ATTR, {"gate_up_proj": 2, "gate_up_proj_bias": 2})
         # Which grouped GEMM to use; "auto" picks torch._grouped_mm where it runs (see grouped_mm.py).
         self.gemm_backend: GemmBackend = "auto"
 
@@ -57,16 +77,34 @@ class GroupedExperts(nn.Module):
         The single seam every expert-parallel mechanism calls once rows are local and grouped.
         """
         gate_up_S2I = grouped_mm(x_SH, self.gate_up_proj, counts_E, self.gemm_backend)
-        gate_SI, up_SI = gate_up_S2I.chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate_SI) * up_SI, self.down_proj, counts_E, self.gemm_backend)
+        expert_S = _expert_of_rows(counts_E, x_SH.shape[0]) if self.gate_up_proj_bias is not None else None
+        if expert_S is not None and self.gate_up_proj_bias is not None:
+            gate_up_S2I = gate_up_S2I + self.gate_up_proj_bias[expert_S]
+        out_SH = grouped_mm(self.activation(gate_up_S2I), self.down_proj, counts_E, self.gemm_backend)
+        if expert_S is not None and self.down_proj_bias is not None:
+            out_SH = out_SH + self.down_proj_bias[expert_S]
+        return out_SH
 
     def reset_parameters(self, std: float) -> None:
         nn.init.normal_(self.gate_up_proj, std=std)
         nn.init.normal_(self.down_proj, std=std)
+        for bias in (self.gate_up_proj_bias, self.down_proj_bias):
+            if bias is not None:
+                nn.init.zeros_(bias)
 
     def extra_repr(self) -> str:
         experts, two_inter, hidden = self.gate_up_proj.shape
-        return f"experts={experts}, hidden={hidden}, intermediate={two_inter // 2}, gemm_backend={self.gemm_backend!r}"
+        bias = ", bias" if self.gate_up_proj_bias is not None else ""
+        return (
+            f"experts={experts}, hidden={hidden}, intermediate={two_inter // 2}{bias}, activation={self.activation}, "
+            f"gemm_backend={self.gemm_backend!r}"
+        )
+
+
+def _expert_of_rows(counts_E: Tensor, rows: int) -> Tensor:
+    """``[S]`` the expert owning each row of an expert-grouped block (``counts_E[e]`` rows each); no host sync."""
+    experts_E = torch.arange(counts_E.numel(), device=counts_E.device)
+    return torch.repeat_interleave(experts_E, counts_E, output_size=rows)
 
 
 def tokens_per_expert(topk_ids_TK: Tensor, num_experts: int) -> Tensor:

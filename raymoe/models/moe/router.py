@@ -3,7 +3,7 @@
 Shape legend: ``T`` tokens, ``H`` hidden size, ``E`` experts, ``K`` experts per token, ``S`` tokens per
 sequence (the capacity unit).
 
-    logits [T, E] = hidden @ weight.T            probs = softmax(logits) in float32
+    logits [T, E] = hidden @ weight.T (+ bias)   probs = softmax(logits) in float32
     choice:  top-K of probs (+ selection_bias, if the family has one: DeepSeek-V3's
              e_score_correction_bias; it moves the choice, never the weights)
     weights: probs of the chosen experts (renormalised to sum to one with norm_topk_prob)
@@ -50,19 +50,28 @@ class RoutingRecord:
 class TopKRouter(nn.Module):
     """Scores every expert for each token and keeps the ``top_k`` best.
 
-    ``weight [E, H]`` is the hub's ``mlp.gate.weight``; ``selection_bias [E]`` (hub name
-    ``mlp.gate.e_score_correction_bias``) exists only when the family has one. The softmax runs in
-    float32 over all experts; with ``norm_topk_prob`` the kept probabilities are renormalised.
+    ``weight [E, H]`` is the hub's ``mlp.gate.weight``; ``bias [E]`` (gpt-oss's ``mlp.router.bias``)
+    adds to the logits; ``selection_bias [E]`` (hub name ``mlp.gate.e_score_correction_bias``) exists
+    only when the family has one. The softmax runs in float32 over all experts; with ``norm_topk_prob``
+    the kept probabilities are renormalised, which equals a softmax over the top-k logits (gpt-oss).
     """
 
     def __init__(
-        self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool, *, selection_bias: bool = False
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        *,
+        bias: bool = False,
+        selection_bias: bool = False,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
         # Not trained by the optimizer: bias balancing moves it after each step (SPEC LB-2).
         self.e_score_correction_bias = (
             nn.Parameter(torch.zeros(num_experts), requires_grad=False) if selection_bias else None
@@ -82,7 +91,7 @@ class TopKRouter(nn.Module):
         ``sequence_length`` (``S``, with ``T = B * S``) is the capacity unit; without it a capacity
         factor cannot apply and the whole of ``T`` counts as one sequence.
         """
-        logits_TE = F.linear(hidden_TH, self.weight)
+        logits_TE = F.linear(hidden_TH, self.weight, self.bias)
         probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
         if self.e_score_correction_bias is None:
             topk_weights_TK, topk_ids_TK = torch.topk(probs_TE, self.top_k, dim=-1)
@@ -109,5 +118,6 @@ class TopKRouter(nn.Module):
         return tokens_per_expert(self.last_routing.chosen_TK, self.num_experts)
 
     def extra_repr(self) -> str:
-        bias = ", selection_bias" if self.has_selection_bias else ""
+        bias = ", bias" if self.bias is not None else ""
+        bias += ", selection_bias" if self.has_selection_bias else ""
         return f"experts={self.num_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}{bias}"

@@ -8,6 +8,8 @@ SwiGLU MLP of ``intermediate_size`` in the others. Experts are fused in memory
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from torch import nn
 
 from raymoe.models.common.config import ModelConfig, MoeConfig
@@ -37,14 +39,11 @@ class Qwen3MoeForCausalLM(CausalLM):
     def num_experts(self) -> int | None:
         return self.moe.num_experts
 
-    def sparse_layers(self) -> list[int]:
-        return [i for i in range(self.config.num_hidden_layers) if self.config.layer_is_sparse(i)]
-
     def default_plans(self) -> DefaultPlans:
         return qwen3_moe_plans(self.config, self.sparse_layers())
 
-    def hub_layout(self) -> HubLayout:
-        layout = super().hub_layout()
+    def hub_layout(self, available: Collection[str] | None = None) -> HubLayout:
+        layout = super().hub_layout(available)
         for i in self.sparse_layers():
             prefix = f"model.layers.{i}.mlp.experts"
             experts = range(self.moe.num_experts)

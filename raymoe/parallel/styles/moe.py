@@ -14,17 +14,28 @@ token, for its ``I/tp`` slice::
 
 Masked expert parallelism (``ep_router`` + ``moe_tp_experts``) uses the same experts style with the
 expert dim split instead: each rank's non-local experts are masked, so its output is partial too.
+
+An output bias (gpt-oss's ``down_proj_bias [E, H]``, named by the module's ``output_bias`` hint) is
+added to every routed pair. Split over the expert dim (masking) each pair gets it from its expert's
+owner only; replicated (tensor parallelism) every rank would add it, so each adds ``bias / size``
+and the bias's gradient is summed over the mesh.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
+from raymoe.models.common.shard_hints import OUTPUT_BIAS_ATTR
 from raymoe.parallel.styles.base import ExpertRole, ParallelStyle
-from raymoe.parallel.styles.layouts import all_reduce_backward, all_reduce_forward
+from raymoe.parallel.styles.layouts import all_reduce_backward, all_reduce_forward, swap_parameters
+
+# Set on an experts module at apply time: the name of its output bias that each rank adds 1/size of.
+_SHARED_OUTPUT_BIAS_ATTR = "_raymoe_shared_output_bias"
 
 
 class MoeExpertsParallel(ParallelStyle):
@@ -39,6 +50,22 @@ class MoeExpertsParallel(ParallelStyle):
 
     def should_use_local_tensors(self, module: nn.Module) -> bool:
         return True
+
+    def install_forward(self, module: nn.Module, mesh: DeviceMesh) -> None:
+        # Decided once, when the parameters already carry this mesh's placements.
+        name = getattr(module, OUTPUT_BIAS_ATTR, None)
+        bias = module._parameters.get(name) if isinstance(name, str) else None
+        shared = bias is not None and not _split_over(bias, mesh)
+        setattr(module, _SHARED_OUTPUT_BIAS_ATTR, name if shared else None)
+
+    def context_around_forward(self, module: nn.Module, mesh: DeviceMesh) -> AbstractContextManager[Any]:
+        name = getattr(module, _SHARED_OUTPUT_BIAS_ATTR, None)
+        if name is None or mesh.size() == 1:
+            return nullcontext()
+        size = mesh.size()
+        return swap_parameters(
+            module, lambda param_name, param: all_reduce_backward(param, mesh) / size if param_name == name else param
+        )
 
     def transform_inputs_pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], mesh: DeviceMesh
@@ -64,6 +91,15 @@ class MoeIdentityParallel(ParallelStyle):
         if not args or not isinstance(args[0], Tensor):
             raise ValueError(f"{type(module).__name__}: moe_identity_expert needs the input tensor as first argument")
         return (args[0] / mesh.size(), *args[1:]), kwargs
+
+
+def _split_over(param: Tensor, mesh: DeviceMesh) -> bool:
+    """``param`` is a DTensor split (Shard) over ``mesh``."""
+    return (
+        isinstance(param, DTensor)
+        and param.device_mesh == mesh
+        and any(isinstance(placement, Shard) for placement in param.placements)
+    )
 
 
 def _replicated_input(arg: Any, mesh: DeviceMesh) -> Any:

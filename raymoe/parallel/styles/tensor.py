@@ -36,7 +36,7 @@ implemented and not registered.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
-from raymoe.models.common.shard_hints import ROPE_DIM_ATTR, SHARD_BLOCK_ATTR
+from raymoe.models.common.shard_hints import EXPERT_BATCHED_ATTR, ROPE_DIM_ATTR, SHARD_BLOCK_ATTR
 from raymoe.parallel.sharding import num_pieces, shard_dim, strided_shard
 from raymoe.parallel.styles.base import ParallelStyle
 from raymoe.parallel.styles.layouts import all_reduce_backward, all_reduce_forward, redistribute_local, swap_parameters
@@ -87,7 +87,7 @@ def check_splittable(module: nn.Module, param_name: str, param: Tensor, placemen
         raise ValueError(f"{param_name} is a scalar; {placement} cannot split it")
     dim = shard_dim(placement, param.ndim)
     assert dim is not None  # ShardingStyle placements are Replicate, Shard or _StridedShard
-    size, pieces, block = param.shape[dim], num_pieces(placement), shard_block_size(module)
+    size, pieces, block = param.shape[dim], num_pieces(placement), shard_block_size(module, param_name)
     if size % (pieces * mesh_size * block) == 0:
         return
     detail = f"dim {dim} has size {size}"
@@ -99,20 +99,34 @@ def check_splittable(module: nn.Module, param_name: str, param: Tensor, placemen
     raise ValueError(f"{param_name} {tuple(param.shape)}: {detail}; it does not split into {mesh_size} {what}")
 
 
-def shard_block_size(module: nn.Module) -> int:
+def shard_block_size(module: nn.Module, param_name: str) -> int:
+    """The indivisible block of ``param_name``'s split dim: the module's ``tp_block_size`` (int or per parameter)."""
     block = getattr(module, SHARD_BLOCK_ATTR, 1)
+    if isinstance(block, Mapping):
+        block = block.get(param_name.rpartition(".")[2], 1)
     if not isinstance(block, int) or isinstance(block, bool) or block < 1:
         raise ValueError(f"{type(module).__name__}.{SHARD_BLOCK_ATTR} must be a positive int, got {block!r}")
     return block
 
 
-def _out_features_dim(param: Tensor) -> int:
-    """Output features: dim 0 of a bias [out] or Linear weight [out, in], dim 1 of an expert weight [E, out, in]."""
-    return max(param.ndim - 2, 0)
+def _expert_dims(module: nn.Module) -> int:
+    """1 when every parameter of ``module`` leads with the expert dim (``expert_batched``), else 0."""
+    return 1 if getattr(module, EXPERT_BATCHED_ATTR, False) else 0
+
+
+def _out_features_dim(module: nn.Module, param: Tensor) -> int:
+    """Output features: dim 0 of a Linear weight [out, in] or bias [out]; dim 1 of an expert weight
+    [E, out, in] or expert bias [E, out]."""
+    return _expert_dims(module) or max(param.ndim - 2, 0)
 
 
 def _in_features_dim(param: Tensor) -> int:
     return param.ndim - 1
+
+
+def _is_bias(module: nn.Module, param: Tensor) -> bool:
+    """A bias: ``[out]``, or ``[E, out]`` on an expert-batched module."""
+    return param.ndim == 1 + _expert_dims(module)
 
 
 def _checked_split_factor(split_factor: int) -> int:
@@ -138,7 +152,7 @@ class ColwiseParallel(ShardingStyle):
         self.output_layout = output_layout if output_layout is not None else Shard(-1)
 
     def placement(self, module: nn.Module, param_name: str, param: Tensor) -> Placement:
-        return Shard(_out_features_dim(param))
+        return Shard(_out_features_dim(module, param))
 
     def local_output_layout(self) -> Placement:
         """The layout the local forward produces."""
@@ -189,7 +203,7 @@ class PackedColwiseParallel(ColwiseParallel):
         super().__init__(output_layout=self.local_output_layout())
 
     def placement(self, module: nn.Module, param_name: str, param: Tensor) -> Placement:
-        return strided_shard(_out_features_dim(param), self.split_factor)
+        return strided_shard(_out_features_dim(module, param), self.split_factor)
 
     def local_output_layout(self) -> Placement:
         return strided_shard(-1, self.split_factor)
@@ -211,7 +225,7 @@ class RowwiseParallel(ShardingStyle):
         self.output_layout = output_layout if output_layout is not None else Replicate()
 
     def placement(self, module: nn.Module, param_name: str, param: Tensor) -> Placement:
-        return Replicate() if param.ndim == 1 else Shard(_in_features_dim(param))
+        return Replicate() if _is_bias(module, param) else Shard(_in_features_dim(param))
 
     def local_input_layout(self) -> Placement:
         """The layout the local forward needs."""
@@ -258,7 +272,7 @@ class PackedRowwiseParallel(RowwiseParallel):
         super().__init__()
 
     def placement(self, module: nn.Module, param_name: str, param: Tensor) -> Placement:
-        return Replicate() if param.ndim == 1 else strided_shard(_in_features_dim(param), self.split_factor)
+        return Replicate() if _is_bias(module, param) else strided_shard(_in_features_dim(param), self.split_factor)
 
     def local_input_layout(self) -> Placement:
         return strided_shard(-1, self.split_factor)
