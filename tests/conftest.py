@@ -7,6 +7,7 @@ style tests, and tiny random transformers checkpoints as the numerical reference
 from __future__ import annotations
 
 import copy
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -259,13 +260,29 @@ TINY_CONFIGS: dict[str, Callable[[Any], Any]] = {
         num_experts_per_tok=3,
         sliding_window=6,
     ),
+    # gpt-oss with hidden and expert sizes in whole MXFP4 blocks of 32 (the base of the quantized checkpoint).
+    "gptoss_mxfp4_base": lambda transformers: transformers.GptOssConfig(
+        vocab_size=96,
+        max_position_embeddings=256,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+    ),
 }
+MXFP4_BASE = "gptoss_mxfp4_base"
+PARITY_CONFIGS = [name for name in TINY_CONFIGS if name != MXFP4_BASE]  # the base has its own test (MXFP4)
 MOE_CONFIGS = [name for name in TINY_CONFIGS if name.startswith("moe")]
 # Routed-expert families besides Qwen3-MoE (tests/models/test_families.py, tests/rank/test_families.py).
 FAMILY_MOE_CONFIGS = ["gptoss_e4_k3_gqa2_window5", "mixtral_e8_k3_gqa2_window6"]
 
 
-@pytest.fixture(params=list(TINY_CONFIGS))
+@pytest.fixture(params=PARITY_CONFIGS)
 def tiny_name(request: pytest.FixtureRequest) -> str:
     """Each tiny config in turn."""
     return str(request.param)
@@ -297,7 +314,8 @@ def _load_hf_model(directory: Path) -> Any:
 
     # The eager experts loop is transformers' plainest definition (and its grouped_mm path fails
     # on CPU for dims that are not 16-byte multiples).
-    routed = "moe" in directory.name or directory.name.startswith(("gptoss", "mixtral"))
+    config = json.loads((Path(directory) / "config.json").read_text())
+    routed = "num_experts" in config or "num_local_experts" in config
     options = {"experts_implementation": "eager"} if routed else {}
     return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **options).eval()
 
@@ -387,3 +405,85 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
         return made[name]
 
     return get
+
+
+# --- MXFP4 checkpoints, quantized here from the documented format ---------------------------------
+#
+# 32 values share one e8m0 scale 2**(s - 127); each value is an e2m1 code (1 sign, 2 exponent, 1 mantissa
+# bit), two codes per byte, low nibble first. Written independently of raymoe's decoder.
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def _quantize_mxfp4(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[..., R, C]`` float -> blocks uint8 ``[..., R, C/32, 16]``, scales uint8 ``[..., R, C/32]``.
+
+    Per block the smallest power of two ``2**e`` with ``max|x| <= 6 * 2**e``, then the nearest e2m1 code.
+    """
+    *lead, cols = weights.shape
+    groups = weights.double().reshape(*lead, cols // 32, 32)
+    amax = groups.abs().amax(-1)
+    exponent = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6)), torch.zeros_like(amax))
+    codes = (groups / torch.exp2(exponent)[..., None])[..., None] - torch.tensor(E2M1, dtype=torch.float64)
+    nibbles = codes.abs().argmin(-1).to(torch.uint8)  # nearest code (+0.0 before -0.0)
+    blocks = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+    return blocks, (exponent + 127).to(torch.uint8)
+
+
+def _exact_mxfp4_weights(shape: tuple[int, ...], seed: int = 0, exponents: tuple[int, int] = (-12, 4)) -> torch.Tensor:
+    """e2m1 values times a power of two per 32-value block, each block holding a +-6 (so its scale is that power)."""
+    generator = torch.Generator().manual_seed(seed)
+    *lead, cols = shape
+    values = torch.tensor(E2M1)[torch.randint(0, 16, (*lead, cols // 32, 32), generator=generator)]
+    values[..., 0] = torch.where(torch.rand(values.shape[:-1], generator=generator) < 0.5, 6.0, -6.0)
+    powers = torch.exp2(torch.randint(*exponents, (*lead, cols // 32, 1), generator=generator).float())
+    return (values * powers).reshape(shape)
+
+
+@pytest.fixture(scope="session")
+def quantize_mxfp4() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """``quantize_mxfp4(weights [..., R, C])`` -> ``(blocks [..., R, C/32, 16], scales [..., R, C/32])`` uint8."""
+    return _quantize_mxfp4
+
+
+@pytest.fixture(scope="session")
+def exact_mxfp4_weights() -> Callable[..., torch.Tensor]:
+    """``exact_mxfp4_weights(shape, seed=0)``: weights MXFP4 represents exactly (last dim a multiple of 32)."""
+    return _exact_mxfp4_weights
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_mxfp4_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """``(plain, quantized)``: a tiny gpt-oss saved by transformers whose expert weights MXFP4 holds exactly, and
+    the same model as hub gpt-oss ships it (experts as ``*_blocks`` + ``*_scales``, ``quantization_config``)."""
+    from safetensors.torch import load_file, save_file
+
+    model = _make_hf_model(MXFP4_BASE)
+    with torch.no_grad():
+        for seed, (name, param) in enumerate(model.named_parameters()):
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, in, out], x @ W
+                exact = _exact_mxfp4_weights(param.transpose(1, 2).shape, seed=seed, exponents=(-9, -5))
+                param.copy_(exact.transpose(1, 2))
+    plain = tmp_path_factory.mktemp("gptoss_mxfp4_plain")
+    model.save_pretrained(plain)
+    quantized = tmp_path_factory.mktemp("gptoss_mxfp4_quantized")
+    tensors = {}
+    for key, tensor in load_file(plain / "model.safetensors").items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            # The hub's quantized orientation is [E, out, in], blocks of 32 along `in`.
+            tensors[f"{key}_blocks"], tensors[f"{key}_scales"] = _quantize_mxfp4(tensor.transpose(1, 2).contiguous())
+        else:
+            tensors[key] = tensor
+    save_file(tensors, quantized / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((plain / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    (quantized / "config.json").write_text(json.dumps(config, indent=2))
+    return plain, quantized

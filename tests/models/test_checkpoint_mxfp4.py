@@ -18,21 +18,6 @@ LAYOUT: HubLayout = {"w": Mxfp4("w_blocks", "w_scales")}
 E, R, G = 4, 6, 3  # w [4, 6, 96]
 
 
-def quantize(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[..., R, C]`` float -> blocks uint8 ``[..., R, C/32, 16]``, scales uint8 ``[..., R, C/32]``.
-
-    Per block the smallest power of two ``2**e`` with ``max|x| <= 6 * 2**e``, then the nearest e2m1 code.
-    """
-    *lead, cols = weights.shape
-    groups = weights.double().reshape(*lead, cols // 32, 32)
-    amax = groups.abs().amax(-1)
-    exponent = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6)), torch.zeros_like(amax))
-    codes = (groups / torch.exp2(exponent)[..., None])[..., None] - torch.tensor(E2M1_VALUES, dtype=torch.float64)
-    nibbles = codes.abs().argmin(-1).to(torch.uint8)  # nearest code (+0.0 before -0.0)
-    blocks = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
-    return blocks, (exponent + 127).to(torch.uint8)
-
-
 def decode_slowly(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """One value at a time, straight from the format description; float64."""
     *lead, groups, width = blocks.shape
@@ -45,24 +30,14 @@ def decode_slowly(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def exact_weights(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
-    """e2m1 values times a power of two per 32-value block, each block holding a +-6 (so its scale is that power)."""
-    generator = torch.Generator().manual_seed(seed)
-    *lead, cols = shape
-    values = torch.tensor(E2M1_VALUES)[torch.randint(0, 16, (*lead, cols // 32, 32), generator=generator)]
-    values[..., 0] = torch.where(torch.rand(values.shape[:-1], generator=generator) < 0.5, 6.0, -6.0)
-    powers = torch.exp2(torch.randint(-12, 4, (*lead, cols // 32, 1), generator=generator).float())
-    return (values * powers).reshape(shape)
-
-
 def save_mxfp4(directory, blocks, scales, **extra):
     save_file({"w_blocks": blocks, "w_scales": scales, **extra}, directory / "model.safetensors")
     return directory
 
 
-def test_the_quantizer_and_the_slow_decoder_agree_on_exact_weights():
-    weights = exact_weights((3, 64))
-    blocks, scales = quantize(weights)
+def test_the_quantizer_and_the_slow_decoder_agree_on_exact_mxfp4_weights(quantize_mxfp4, exact_mxfp4_weights):
+    weights = exact_mxfp4_weights((3, 64))
+    blocks, scales = quantize_mxfp4(weights)
     assert blocks.shape == (3, 2, 16) and scales.shape == (3, 2)
     assert torch.equal(decode_slowly(blocks, scales), weights.double())
 
@@ -79,18 +54,18 @@ def test_known_bytes_decode_low_nibble_first():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_dequantize_reproduces_exact_weights(dtype):
-    weights = exact_weights((E, R, G * 32), seed=1)
-    blocks, scales = quantize(weights)
+def test_dequantize_reproduces_exact_mxfp4_weights(dtype, quantize_mxfp4, exact_mxfp4_weights):
+    weights = exact_mxfp4_weights((E, R, G * 32), seed=1)
+    blocks, scales = quantize_mxfp4(weights)
     out = dequantize_mxfp4(blocks, scales, dtype=dtype)
     assert out.dtype == dtype and out.shape == weights.shape
     assert torch.equal(out.double(), weights.double())
     assert torch.equal(out.double(), decode_slowly(blocks, scales))
 
 
-def test_dequantize_random_weights_within_half_a_step():
+def test_dequantize_random_weights_within_half_a_step(quantize_mxfp4):
     weights = torch.randn(5, 128, generator=torch.Generator().manual_seed(2)) * 0.02
-    blocks, scales = quantize(weights)
+    blocks, scales = quantize_mxfp4(weights)
     out = dequantize_mxfp4(blocks, scales, dtype=torch.float32)
     assert torch.equal(out.double(), decode_slowly(blocks, scales))
     # e2m1 steps are 0.5 below 2, 1 up to 4 and 2 up to 6 (times the scale): half a step is <= max(scale, |x|) / 4
@@ -121,9 +96,9 @@ def test_dequantize_refuses_bad_inputs():
 
 
 @pytest.fixture
-def checkpoint(tmp_path):
-    weights = exact_weights((E, R, G * 32), seed=3)
-    blocks, scales = quantize(weights)
+def checkpoint(tmp_path, quantize_mxfp4, exact_mxfp4_weights):
+    weights = exact_mxfp4_weights((E, R, G * 32), seed=3)
+    blocks, scales = quantize_mxfp4(weights)
     return save_mxfp4(tmp_path, blocks, scales), weights, dequantize_mxfp4(blocks, scales)
 
 

@@ -1,0 +1,56 @@
+"""The layout check every family's multi-rank tests share: train a few steps on the shared world, compare with
+transformers in one process, save, reload in transformers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+LR, WEIGHT_DECAY, STEPS, ROWS, SEQ = 1e-3, 0.1, 3, 8, 10
+TORCH_BETAS = (0.9, 0.999)  # the reference runs torch.optim.AdamW with its defaults, no clipping
+
+
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return (torch.linalg.vector_norm(actual - expected) / torch.linalg.vector_norm(expected).clamp_min(1e-12)).item()
+
+
+@pytest.fixture
+def check_layout(
+    load_on_world, tiny_checkpoint, load_hf_model, reference_training, padded_batches
+) -> Callable[..., list[dict[str, Any]]]:
+    """``check_layout(config, tmp_path, checkpoint=name or directory, micro_batches=1)`` -> the step metrics.
+
+    Three AdamW steps on padded batches under ``config``: each loss and gradient norm within 1e-5 (relative)
+    of transformers training on the whole global batch in one process; the saved checkpoint loads in
+    transformers with every weight within 1e-5 of the reference's, and gives the handle's logits (1e-5).
+    """
+
+    def check(
+        config: dict[str, Any], tmp_path: Path, checkpoint: str | Path, micro_batches: int = 1
+    ) -> list[dict[str, Any]]:
+        directory = tiny_checkpoint(checkpoint) if isinstance(checkpoint, str) else checkpoint
+        hf_model = load_hf_model(directory)
+        data = padded_batches(hf_model.config.vocab_size, steps=STEPS, rows=ROWS, seq=SEQ)
+        ref_losses, ref_norms, ref_model = reference_training(hf_model, data, LR, WEIGHT_DECAY)
+        with load_on_world(directory, config) as model:
+            model.configure_training(lr=LR, weight_decay=WEIGHT_DECAY, betas=TORCH_BETAS, max_grad_norm=None)
+            metrics = [model.train_step(ids, attention_mask=mask, micro_batches=micro_batches) for ids, mask in data]
+            for step, (got, want, norm) in enumerate(zip(metrics, ref_losses, ref_norms, strict=True)):
+                assert abs(got["loss"] - want) <= 1e-5 * abs(want), (step, got["loss"], want)
+                # the gradient norm spans both meshes, dense and expert (SPEC TRAIN-2)
+                assert abs(got["grad_norm"] - norm) <= 1e-5 * norm, (step, got["grad_norm"], norm)
+            model.save_pretrained(tmp_path)
+            trained = load_hf_model(tmp_path)
+            reference = dict(ref_model.named_parameters())
+            for name, param in trained.named_parameters():
+                assert rel_error(param, reference[name].detach()) <= 1e-5, name
+            ids = data[0][0]
+            with torch.no_grad():
+                assert (model(ids) - trained(input_ids=ids).logits).abs().max().item() <= 1e-5
+        return metrics
+
+    return check
