@@ -1,4 +1,4 @@
-"""raymoe's own model definitions (pure torch, nothing of distribution): Qwen3-MoE, Llama and Qwen3.
+"""raymoe's own model definitions (pure torch, nothing of distribution): Qwen3-MoE, gpt-oss, Mixtral, Llama, Qwen3.
 
 ``common/`` holds the shared blocks, ``moe/`` the mixture-of-experts pieces, and each family has
 one folder (model, config defaults, default plans, hub layout); :mod:`raymoe.models.registry`
@@ -9,11 +9,13 @@ says with plain attributes (:mod:`raymoe.models.common.shard_hints`).
 
 from raymoe.models.common.config import ModelConfig, MoeConfig, RopeConfig
 from raymoe.models.common.decoder import CausalLM, DecoderLayer, DecoderModel
-from raymoe.models.common.hub_layout import Concat, HubKeys, HubLayout, Stack
+from raymoe.models.common.hub_layout import Concat, HubKeys, HubLayout, Mxfp4, Stack, Transpose
 from raymoe.models.common.kv_cache import KVCache
 from raymoe.models.common.loss import causal_lm_loss
 from raymoe.models.common.plans import DefaultPlans
+from raymoe.models.gpt_oss import GptOssForCausalLM
 from raymoe.models.llama import LlamaForCausalLM
+from raymoe.models.mixtral import MixtralForCausalLM
 from raymoe.models.qwen3 import Qwen3ForCausalLM
 from raymoe.models.qwen3_moe import Qwen3MoeForCausalLM
 from raymoe.models.registry import (
@@ -34,16 +36,20 @@ __all__ = [
     "DecoderLayer",
     "DecoderModel",
     "DefaultPlans",
+    "GptOssForCausalLM",
     "HubKeys",
     "HubLayout",
     "KVCache",
     "LlamaForCausalLM",
+    "MixtralForCausalLM",
     "ModelConfig",
     "MoeConfig",
+    "Mxfp4",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "RopeConfig",
     "Stack",
+    "Transpose",
     "build_model",
     "causal_lm_loss",
     "load_model_config",

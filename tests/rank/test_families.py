@@ -40,7 +40,7 @@ def checkpoint_bytes(directory) -> int:
 
     total = 0
     with safe_open(directory / "model.safetensors", "pt") as f:
-        for key in f.keys():
+        for key in list(f.keys()):
             view = f.get_slice(key)
             total += torch.empty(view.get_shape(), dtype=torch.uint8).numel() * _itemsize(view.get_dtype())
     return total
