@@ -97,3 +97,28 @@ def test_mxfp4_checkpoint_loads_sharded(gpt_oss_mxfp4_checkpoint, load_on_world,
         for report in reports:
             assert report.bytes_read <= 1.1 * total / 2 + 1, (config, report, total)
             assert report.bytes_read < report.bytes_held  # packed 4-bit experts, held in float32
+
+
+@pytest.mark.parametrize(
+    "config", [{}, {"tp_size": 2, "fsdp_size": 2, "ep_size": 2}], ids=["one-rank", "tp2-fsdp2-ep2"]
+)
+def test_gpt_oss_aux_loss_equals_transformers(
+    config, make_hf_model, load_hf_model, load_on_world, padded_batches, tmp_path
+):
+    """gpt-oss's router logits carry its bias: the aux loss (the checkpoint's convention) sees them as transformers."""
+    hf_model = make_hf_model(GPT_OSS)
+    hf_model.config.output_router_logits = True
+    hf_model.config.router_aux_loss_coef = 0.1
+    hf_model.save_pretrained(tmp_path)
+    reference = load_hf_model(tmp_path).train()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1)
+    with load_on_world(tmp_path, config) as model:
+        model.configure_training(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.999), max_grad_norm=None)
+        for ids, mask in padded_batches(96, steps=2, rows=8, seq=10):
+            out = reference(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+            out.loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            metrics = model.train_step(ids, attention_mask=mask)
+            assert abs(metrics["loss"] - out.loss.item()) <= 1e-5 * out.loss.item()
+            assert abs(metrics["aux_loss"] - out.aux_loss.item()) <= 1e-5 * out.aux_loss.item()
