@@ -14,12 +14,13 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE
@@ -32,12 +33,22 @@ from raymoe.driver.batch import (
     split_micro_batches,
 )
 from raymoe.driver.group import RankGroup, one_per_batch
+from raymoe.driver.prompts import (
+    PromptBatch,
+    RowSplit,
+    as_output,
+    check_attention_mask,
+    check_stop_sequences,
+    check_token_ids,
+    prompt_batch,
+    split_rows,
+)
 from raymoe.driver.routing import DeadExperts, aux_loss_value, expert_load_metrics
 from raymoe.models.common.config import ModelConfig
-from raymoe.models.common.generation import pad_token_for, trim_finished
+from raymoe.models.common.generation import SamplingConfig, stop_rules, trim_finished
 from raymoe.models.registry import parse_model_config
 from raymoe.rank.evaluate import eval_loss
-from raymoe.rank.infer import forward_logits, generate_tokens
+from raymoe.rank.infer import DecodeRequest, end_stream, forward_logits, generate_tokens, start_stream, stream_step
 from raymoe.rank.load import LoadReport, load_shards, unload_model
 from raymoe.rank.save import save_gathered
 from raymoe.rank.train import MicroBatch, StepResult, configure_optimizer, train_step
@@ -126,38 +137,134 @@ class DistributedModel:
 
     # --- inference and training -------------------------------------------------------------------
 
-    def __call__(self, input_ids: Tensor) -> Tensor:
-        """``logits [B, S, V]`` of the global batch ``input_ids [B, S]``, gathered on the driver."""
+    def __call__(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, *, return_logits: str = "all"
+    ) -> Tensor:
+        """Logits of the global batch ``input_ids [B, S]`` (any ``B``), gathered on the driver.
+
+        ``return_logits="all"``: ``[B, S, V]``, every position (transformers' ``model(ids).logits``);
+        ``"last"``: ``[B, V]`` at each row's last real token, the ``[B, S, V]`` tensor never built.
+        ``attention_mask [B, S]`` (1: real token) may pad rows on either side.
+        """
+        if return_logits not in ("all", "last"):
+            raise ValueError(f"return_logits={return_logits!r}: choose 'all' or 'last'")
         ids = check_input_ids(input_ids, self.model_config.vocab_size)
+        mask = check_attention_mask(attention_mask, ids) if attention_mask is not None else None
         check_sequence_length(ids.shape[1], self.model_config.max_position_embeddings)
-        per_rank = split_by_rank(ids, self.topology)
-        results = self._ranks().execute_per_rank(forward_logits, [(rows,) for rows in per_rank])
-        return torch.cat(one_per_batch(results, self.topology))
+        split = split_rows(ids.shape[0], self.topology.config.dp_size)
+        args = zip(split.for_ranks(ids, self.topology), split.for_ranks(mask, self.topology), strict=True)
+        results = self._ranks().execute_per_rank(forward_logits, [(i, m, return_logits == "last") for i, m in args])
+        return split.gather(one_per_batch(results, self.topology))
 
     def generate(
         self,
-        input_ids: Tensor,
+        prompts: Tensor | Sequence[Sequence[int]],
         max_new_tokens: int,
         *,
+        attention_mask: Tensor | None = None,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float = 1.0,
+        seed: int = 0,
         eos_token_ids: Sequence[int] | None = None,
+        stop_sequences: Sequence[Sequence[int]] = (),
         pad_token_id: int | None = None,
-    ) -> Tensor:
-        """Greedy continuation ``[B, S + n]`` of the global batch, with a KV cache on every rank.
+    ) -> Tensor | list[list[int]]:
+        """Continue each prompt by up to ``max_new_tokens`` tokens (greedy by default), with a KV cache on every rank.
 
-        Rows that finish early (an eos id) are padded with ``pad_token_id`` (default: the config's,
-        else the first eos id) up to the longest row.
+        ``prompts``: a ``[B, S]`` tensor (left-padded with ``attention_mask``) -> ``[B, S + n]``, rows that
+        finished early padded with ``pad_token_id`` (default: the config's, else the first eos id); or a list
+        of token-id lists of any lengths -> a list of prompt + continuation lists, no padding. Any ``B`` on
+        any layout. A row finishes at an ``eos_token_ids`` token (default: the config's) or at the end of a
+        ``stop_sequences`` entry (both kept in the output). ``do_sample`` draws with ``temperature``,
+        ``top_k``, ``top_p``; the same ``seed`` gives the same tokens under every layout.
         """
+        batch, split, request = self._decode_request(
+            prompts, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, seed, eos_token_ids,
+            stop_sequences, pad_token_id,
+        )  # fmt: skip
+        results = self._ranks().execute_per_rank(generate_tokens, self._decode_args(batch, split, request))
+        answers = one_per_batch(results, self.topology)
+        width = max(tokens.shape[1] for tokens, _ in answers)
+        pad = request.stop.pad_id
+        tokens = split.gather([F.pad(t, (0, width - t.shape[1]), value=pad) for t, _ in answers])
+        lengths = split.gather([lengths for _, lengths in answers])
+        return as_output(trim_finished(tokens, batch.input_ids.shape[1], lengths), batch, lengths)
+
+    def generate_stream(
+        self,
+        prompts: Tensor | Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        attention_mask: Tensor | None = None,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float = 1.0,
+        seed: int = 0,
+        eos_token_ids: Sequence[int] | None = None,
+        stop_sequences: Sequence[Sequence[int]] = (),
+        pad_token_id: int | None = None,
+    ) -> Iterator[list[int | None]]:
+        """:meth:`generate` one step at a time: yields, per step, each row's new token (None once it finished).
+
+        The same tokens as :meth:`generate` with the same arguments. Checked before the first step;
+        stopping the iteration early frees the ranks' KV caches.
+        """
+        batch, split, request = self._decode_request(
+            prompts, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, seed, eos_token_ids,
+            stop_sequences, pad_token_id,
+        )  # fmt: skip
+        return self._stream(batch, split, request)
+
+    def _stream(self, batch: PromptBatch, split: RowSplit, request: DecodeRequest) -> Iterator[list[int | None]]:
+        ranks = self._ranks()
+        ranks.execute_per_rank(start_stream, self._decode_args(batch, split, request))
+        finished = torch.zeros(batch.num_rows, dtype=torch.bool)
+        try:
+            for _ in range(request.max_new_tokens):
+                answers = one_per_batch(ranks.execute(stream_step), self.topology)
+                tokens = split.gather([t for t, _ in answers])
+                yield [None if done else int(t) for t, done in zip(tokens, finished.tolist(), strict=True)]
+                finished = split.gather([f for _, f in answers])
+                if request.stop.can_stop and bool(finished.all()):
+                    break
+        finally:
+            if self._group.is_alive:
+                ranks.execute(end_stream)
+
+    def _decode_request(
+        self,
+        prompts: object,
+        attention_mask: object | None,
+        max_new_tokens: object,
+        do_sample: bool,
+        temperature: float,
+        top_k: int | None,
+        top_p: float,
+        seed: int,
+        eos_token_ids: Sequence[int] | None,
+        stop_sequences: Sequence[Sequence[int]],
+        pad_token_id: int | None,
+    ) -> tuple[PromptBatch, RowSplit, DecodeRequest]:
+        """Every argument of a generation checked on the driver, before any rank is asked."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        ids = check_input_ids(input_ids, self.model_config.vocab_size)
-        check_sequence_length(ids.shape[1] + max_new_tokens, self.model_config.max_position_embeddings)
-        eos = tuple(self.model_config.eos_token_ids if eos_token_ids is None else eos_token_ids)
-        pad = pad_token_for(self.model_config, eos, pad_token_id)
-        args = [(rows, max_new_tokens, eos, pad) for rows in split_by_rank(ids, self.topology)]
-        rows = one_per_batch(self._ranks().execute_per_rank(generate_tokens, args), self.topology)
-        width = max(r.shape[1] for r in rows)
-        tokens = torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=pad) for r in rows])
-        return trim_finished(tokens, ids.shape[1], eos)
+        config = self.model_config
+        sampling = SamplingConfig(do_sample, temperature, top_k, top_p, seed)
+        stop = stop_rules(config, check_token_ids(eos_token_ids, config.vocab_size, "eos_token_ids"),
+                          check_stop_sequences(stop_sequences, config.vocab_size), pad_token_id)  # fmt: skip
+        batch = prompt_batch(prompts, attention_mask, config.vocab_size, stop.pad_id)
+        check_sequence_length(batch.input_ids.shape[1] + max_new_tokens, config.max_position_embeddings)
+        split = split_rows(batch.num_rows, self.topology.config.dp_size)
+        return batch, split, DecodeRequest(max_new_tokens, sampling, stop)
+
+    def _decode_args(self, batch: PromptBatch, split: RowSplit, request: DecodeRequest) -> list[tuple[Any, ...]]:
+        ids = split.for_ranks(batch.input_ids, self.topology)
+        masks = split.for_ranks(batch.attention_mask, self.topology)
+        rows = split.row_ids(self.topology)
+        return [(i, m, r, request) for i, m, r in zip(ids, masks, rows, strict=True)]
 
     def configure_training(
         self,

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from raymoe.models.common.decoder import CausalLM
+from raymoe.models.common.generation import Generation
 from raymoe.spec.balance import BalanceConfig
 from raymoe.spec.launch import LaunchSpec
 from raymoe.spec.optimizer import OptimizerConfig
@@ -71,6 +72,7 @@ class LoadedModel:
     model: CausalLM
     spec: LaunchSpec
     training: Training | None = None
+    generation: Generation | None = None  # a stream in progress (raymoe.rank.infer)
 
     def require_training(self) -> Training:
         if self.training is None:

@@ -1,54 +1,120 @@
-"""Forward passes on a rank for the driver: logits or greedy tokens of this rank's batch rows (SPEC INF-1).
+"""Forward passes on a rank for the driver: logits, whole generations, or generations one step at a time (SPEC INF-1).
 
-Every rank of a tp group computes the same rows with its shards; the first one answers.
+Every rank of a tp group computes the same rows with its shards; the first one answers. Ranks
+with different rows still share collectives at every forward (FSDP gathers, expert all-to-alls),
+so under data or expert parallelism they take the same number of steps: a rank whose rows all
+finished keeps stepping (writing pad ids) until the request's last step. A stream keeps its
+:class:`~raymoe.models.common.generation.Generation` in ``ctx.loaded.generation`` between calls.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from raymoe.models.common.generation import generate
+from raymoe.models.common.generation import Generation, SamplingConfig, StopRules
 from raymoe.parallel.fsdp import reshard
 from raymoe.rank.context import RankContext
 from raymoe.spec.topology import Axis
 
 
+@dataclass(frozen=True)
+class DecodeRequest:
+    """What every rank needs to decode its rows, checked on the driver."""
+
+    max_new_tokens: int
+    sampling: SamplingConfig
+    stop: StopRules
+
+
 @torch.no_grad()
-def forward_logits(ctx: RankContext, input_ids_BS: Tensor) -> Tensor | None:
-    """``logits [B_local, S, V]`` on CPU from the first rank of each tp group; None elsewhere (same rows)."""
+def forward_logits(
+    ctx: RankContext, input_ids_BS: Tensor, attention_mask_BS: Tensor | None = None, last_only: bool = False
+) -> Tensor | None:
+    """``logits [B_local, S, V]`` (``[B_local, V]`` at each row's last real token with ``last_only``) on CPU,
+    from the first rank of each tp group; None elsewhere (same rows)."""
     model = ctx.require_model().model
     model.eval()
-    logits = model(input_ids_BS.to(ctx.device))
+    mask = attention_mask_BS.to(ctx.device) if attention_mask_BS is not None else None
+    last_B = _last_real(input_ids_BS, attention_mask_BS).to(ctx.device) if last_only else None
+    logits = model(input_ids_BS.to(ctx.device), None, mask, last_B)
     reshard(model)
     if isinstance(logits, DTensor):
         logits = logits.full_tensor()
     return logits.cpu() if ctx.answers_for_batch else None
 
 
-def generate_tokens(
-    ctx: RankContext,
-    input_ids_BS: Tensor,
-    max_new_tokens: int,
-    eos_token_ids: tuple[int, ...] | None,
-    pad_token_id: int,
-) -> Tensor | None:
-    """Greedy tokens ``[B_local, S + n]`` (n <= max_new_tokens) from the first rank of each tp group.
+def _last_real(input_ids_BS: Tensor, attention_mask_BS: Tensor | None) -> Tensor:
+    """``[B]`` the index of each row's last real token."""
+    width = input_ids_BS.shape[1]
+    if attention_mask_BS is None:
+        return torch.full((input_ids_BS.shape[0],), width - 1)
+    return width - 1 - attention_mask_BS.flip(1).int().argmax(dim=1)
 
-    The ranks of a tp group see the same replicated logits, so they pick the same tokens and stop together.
+
+@torch.no_grad()
+def generate_tokens(
+    ctx: RankContext, input_ids_BS: Tensor, attention_mask_BS: Tensor | None, row_ids: Tensor, request: DecodeRequest
+) -> tuple[Tensor, Tensor] | None:
+    """``(tokens [B_local, S + n], lengths [B_local])`` (n <= max_new_tokens) from the first rank of each tp group.
+
+    ``lengths``: tokens each row generated up to its stop token, -1 for a row that never stopped.
     """
+    generation = _start(ctx, input_ids_BS, attention_mask_BS, row_ids, request)
+    in_step = _in_step(ctx)
+    while generation.steps < request.max_new_tokens:
+        generation.step()
+        if not in_step and generation.done:
+            break
+    reshard(ctx.require_model().model)
+    if not ctx.answers_for_batch:
+        return None
+    return generation.result().cpu(), generation.lengths_B.cpu()
+
+
+def start_stream(
+    ctx: RankContext, input_ids_BS: Tensor, attention_mask_BS: Tensor | None, row_ids: Tensor, request: DecodeRequest
+) -> None:
+    """Keep a generation of this rank's rows for :func:`stream_step` (replacing an unfinished one)."""
+    ctx.require_model().generation = _start(ctx, input_ids_BS, attention_mask_BS, row_ids, request)
+
+
+@torch.no_grad()
+def stream_step(ctx: RankContext) -> tuple[Tensor, Tensor] | None:
+    """One step of the kept generation: ``(next tokens [B_local], finished [B_local])`` from the answering rank."""
+    loaded = ctx.require_model()
+    if loaded.generation is None:
+        raise RuntimeError("stream_step without start_stream: no generation on this rank")
+    next_B = loaded.generation.step()
+    return (next_B.cpu(), loaded.generation.finished_B.cpu()) if ctx.answers_for_batch else None
+
+
+def end_stream(ctx: RankContext) -> None:
+    """Drop the kept generation and its KV cache."""
+    loaded = ctx.require_model()
+    loaded.generation = None
+    reshard(loaded.model)
+
+
+def _start(
+    ctx: RankContext, input_ids_BS: Tensor, attention_mask_BS: Tensor | None, row_ids: Tensor, request: DecodeRequest
+) -> Generation:
     model = ctx.require_model().model
     model.eval()
-    # Ranks with different batches share collectives (FSDP gathers, expert all-to-alls) at every step.
-    in_step = ctx.topology.config.dp_size > 1 or ctx.topology.axis_size(Axis.EP) > 1
-    tokens = generate(
+    return Generation(
         model,
         input_ids_BS.to(ctx.device),
-        max_new_tokens,
-        eos_token_ids=eos_token_ids,
-        pad_token_id=pad_token_id,
-        stop_early=not in_step,
+        request.max_new_tokens,
+        attention_mask_BS=attention_mask_BS.to(ctx.device) if attention_mask_BS is not None else None,
+        sampling=request.sampling,
+        stop=request.stop,
+        row_ids=row_ids.tolist(),
     )
-    reshard(model)
-    return tokens.cpu() if ctx.answers_for_batch else None
+
+
+def _in_step(ctx: RankContext) -> bool:
+    """Ranks with different rows share collectives at every step (FSDP gathers, expert all-to-alls)."""
+    return ctx.topology.config.dp_size > 1 or ctx.topology.axis_size(Axis.EP) > 1

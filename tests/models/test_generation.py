@@ -1,4 +1,5 @@
-"""KV cache and greedy generation: cached decoding equals full recomputation; eos handling."""
+"""KV cache and generation: cached decoding equals full recomputation; eos and stop sequences; left-padded
+prompts against transformers; sampling (limits, seeds across row splits, top-k / top-p sets)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 
 from raymoe.checkpoint import load_model
 from raymoe.models import KVCache
-from raymoe.models.common.generation import generate
+from raymoe.models.common.generation import Generation, SamplingConfig, generate, pick_next
 
 
 def test_cached_chunks_equal_one_full_forward(tiny_name, tiny_checkpoint):
@@ -51,3 +52,114 @@ def test_cache_overflow_is_an_error(tiny_checkpoint):
     cache = KVCache(len(model.model.layers), max_length=3)
     with pytest.raises(ValueError, match=r"KV cache overflow: writing positions 0\.\.4 into a cache of 3"):
         model(torch.tensor([[1, 2, 3, 4]]), cache)
+
+
+# --- prompts of different lengths (left padding) ------------------------------------------------
+
+PADDED_MODELS = ["moe_e5_k3_gqa2_dense_mid", "gptoss_e4_k3_gqa2_window5", "llama_gqa2_llama3_rope_bias"]
+
+
+def left_padded(vocab: int, lengths=(5, 9, 13), pad: int = 0, seed: int = 2):
+    """Prompts of ``lengths`` tokens, left-padded with ``pad`` to the longest: ``(ids, mask, rows)``."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in lengths]
+    width = max(lengths)
+    ids = torch.full((len(rows), width), pad)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = torch.tensor(row)
+        mask[i, width - len(row) :] = 1
+    return ids, mask, rows
+
+
+@pytest.mark.parametrize("name", PADDED_MODELS)
+def test_left_padded_prompts_generate_like_transformers(name, tiny_checkpoint, load_hf_model):
+    directory = tiny_checkpoint(name)
+    ours, reference = load_model(directory), load_hf_model(directory)
+    ids, mask, _ = left_padded(ours.config.vocab_size)
+    expected = reference.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(generate(ours, ids, 8, attention_mask_BS=mask, pad_token_id=0), expected)
+    with torch.no_grad():  # and the logits of every real position
+        real = mask.bool()
+        diff = (ours(ids, attention_mask_BS=mask) - reference(input_ids=ids, attention_mask=mask).logits)[real]
+        assert diff.abs().max().item() <= 1e-5
+
+
+def test_a_padded_row_continues_as_it_would_alone(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("gptoss_e4_k3_gqa2_window5"))
+    ids, mask, rows = left_padded(model.config.vocab_size)
+    batched = generate(model, ids, 6, attention_mask_BS=mask, eos_token_ids=())
+    for i, row in enumerate(rows):
+        alone = generate(model, torch.tensor([row]), 6, eos_token_ids=())
+        assert torch.equal(batched[i, -6:], alone[0, -6:])
+
+
+# --- sampling -----------------------------------------------------------------------------------
+
+
+def sampled(model, ids, **options):
+    return generate(model, ids, 8, sampling=SamplingConfig(**options), eos_token_ids=())
+
+
+def test_sampling_limits_equal_greedy_and_a_seed_repeats(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("moe_e8_k2_mha"))
+    ids = torch.randint(0, model.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(4))
+    greedy = generate(model, ids, 8, eos_token_ids=())
+    assert torch.equal(sampled(model, ids, do_sample=True, temperature=0.0, seed=1), greedy)
+    assert torch.equal(sampled(model, ids, do_sample=True, top_k=1, seed=1), greedy)
+    first = sampled(model, ids, do_sample=True, temperature=1.5, seed=1)
+    assert torch.equal(sampled(model, ids, do_sample=True, temperature=1.5, seed=1), first)
+    assert not torch.equal(first, greedy) and not torch.equal(sampled(model, ids, do_sample=True, seed=2), first)
+
+
+def test_a_seed_gives_each_global_row_the_same_tokens_however_rows_are_split(tiny_checkpoint):
+    """Ranks decode blocks of the global batch: row r draws the numbers of global row r, wherever it runs."""
+    model = load_model(tiny_checkpoint("moe_e8_k2_mha"))
+    ids = torch.randint(0, model.config.vocab_size, (4, 5), generator=torch.Generator().manual_seed(5))
+    options = SamplingConfig(do_sample=True, temperature=1.2, top_p=0.9, seed=11)
+    whole = Generation(model, ids, 6, sampling=options)
+    parts = [Generation(model, ids[rows], 6, sampling=options, row_ids=rows) for rows in ([0], [1, 2, 3])]
+    with torch.no_grad():
+        for _ in range(6):
+            expected = whole.step()
+            assert torch.equal(torch.cat([part.step() for part in parts]), expected)
+
+
+def test_top_k_and_top_p_never_sample_outside_their_sets():
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    logits = probs.log().expand(4000, -1)
+    uniform = torch.rand(4000, generator=torch.Generator().manual_seed(0))
+    nucleus = pick_next(logits, SamplingConfig(do_sample=True, top_p=0.75), uniform)  # 0.4 + 0.25 < 0.75 <= + 0.15
+    assert set(nucleus.tolist()) == {0, 1, 2}
+    frequencies = torch.bincount(nucleus, minlength=6)[:3].float() / 4000
+    assert torch.allclose(frequencies, probs[:3] / probs[:3].sum(), atol=0.03)  # renormalised inside the nucleus
+    assert set(pick_next(logits, SamplingConfig(do_sample=True, top_k=2), uniform).tolist()) == {0, 1}
+    assert set(pick_next(logits, SamplingConfig(do_sample=True, top_p=0.3), uniform).tolist()) == {0}
+    everything = pick_next(logits, SamplingConfig(do_sample=True), uniform)
+    assert set(everything.tolist()) == set(range(6))
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"temperature": -0.5}, r"temperature=-0.5 must be a number >= 0"),
+        ({"top_p": 0.0}, r"top_p=0.0 must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p=1.5 must be in \(0, 1\]"),
+        ({"top_k": 0}, r"top_k=0 must be an int >= 1 or None"),
+        ({"seed": 1.5}, r"seed=1.5 must be an int"),
+    ],
+)
+def test_bad_sampling_options_name_the_field(options, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingConfig(do_sample=True, **options)
+
+
+def test_a_stop_sequence_finishes_its_row(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("llama_mha_tied_linear_rope"))
+    prompt = torch.tensor([[5, 6, 7], [9, 10, 11]])
+    free = generate(model, prompt, 8, eos_token_ids=())
+    generated = free[0, 3:].tolist()
+    stop = generated[2:4]  # the 3rd and 4th tokens row 0 generates; the row ends where they first appear
+    end = 3 + next(i for i in range(len(generated)) if generated[i : i + 2] == stop) + 2
+    out = generate(model, prompt, 8, eos_token_ids=(), stop_sequences=[stop], pad_token_id=0)
+    assert torch.equal(out[0, :end], free[0, :end]) and (out[0, end:] == 0).all()

@@ -26,7 +26,8 @@ def check_layout(
 
     Three AdamW steps on padded batches under ``config``: each loss and gradient norm within 1e-5 (relative)
     of transformers training on the whole global batch in one process; the saved checkpoint loads in
-    transformers with every weight within 1e-5 of the reference's, and gives the handle's logits (1e-5).
+    transformers with every weight within 1e-5 of the reference's, and gives the handle's logits (1e-5) and its
+    greedy continuation of one prompt.
     """
 
     def check(
@@ -51,6 +52,12 @@ def check_layout(
             ids = data[0][0]
             with torch.no_grad():
                 assert (model(ids) - trained(input_ids=ids).logits).abs().max().item() <= 1e-5
+            # one prompt on any layout (idle data-parallel batches decode a copy and are dropped)
+            prompt = ids[:1, :6]
+            expected = trained.generate(
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False
+            )
+            assert model.generate(prompt[0:1].tolist(), 4) == [expected[0].tolist()]
         return metrics
 
     return check

@@ -50,9 +50,16 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(config.num_attention_heads)) if config.attention_sinks else None
 
     def forward(
-        self, x_BSH: Tensor, cos_SD: Tensor, sin_SD: Tensor, cache: LayerKVCache | None = None, start: int = 0
+        self,
+        x_BSH: Tensor,
+        cos_SD: Tensor,
+        sin_SD: Tensor,
+        cache: LayerKVCache | None = None,
+        start: int = 0,
+        key_mask_BL: Tensor | None = None,
     ) -> Tensor:
-        """``start`` is the position of the first new token (the number of tokens already in ``cache``)."""
+        """``start`` is the index of the first new token (the number of tokens already in ``cache``);
+        ``key_mask [B, L]`` (True: a real token) hides left padding from every query."""
         batch, seq, _ = x_BSH.shape
         q_BSHqD = self.q_proj(x_BSH).view(batch, seq, -1, self.head_dim)
         k_BSHkvD = self.k_proj(x_BSH).view(batch, seq, -1, self.head_dim)
@@ -64,10 +71,10 @@ class Attention(nn.Module):
         v = v_BSHkvD.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, start)
-        if self.sinks is None and self.sliding_window is None:
+        if self.sinks is None and self.sliding_window is None and key_mask_BL is None:
             out_BHqSD = _causal_attention(q, k, v, start, self.scale)
         else:
-            out_BHqSD = _masked_attention(q, k, v, start, self.scale, self.sliding_window, self.sinks)
+            out_BHqSD = _masked_attention(q, k, v, start, self.scale, self.sliding_window, self.sinks, key_mask_BL)
         out_BSH: Tensor = self.o_proj(out_BHqSD.transpose(1, 2).reshape(batch, seq, -1))
         return out_BSH
 
@@ -93,14 +100,20 @@ def _masked_attention(
     scale: float,
     window: int | None,
     sinks_Hq: Tensor | None,
+    key_mask_BL: Tensor | None = None,
 ) -> Tensor:
-    """Causal attention with an optional sliding ``window`` and per-head ``sinks`` (see the module docstring)."""
+    """Causal attention with an optional sliding ``window``, per-head ``sinks`` and padding ``key_mask``
+    (see the module docstring). A padding query sees itself, so its (unused) row stays finite."""
     k_BHqLD, v_BHqLD = _expand_kv(q_BHqSD, k_BHkvLD, v_BHkvLD)
-    allowed_SL = visible_keys(q_BHqSD.shape[2], k_BHqLD.shape[2], start, window, q_BHqSD.device)
+    seq, length = q_BHqSD.shape[2], k_BHqLD.shape[2]
+    allowed = visible_keys(seq, length, start, window, q_BHqSD.device)  # [S, L]
+    if key_mask_BL is not None:
+        own_SL = torch.arange(length, device=q_BHqSD.device)[None, :] == torch.arange(start, start + seq)[:, None]
+        allowed = (allowed & key_mask_BL[:, None, None, :]) | own_SL.to(q_BHqSD.device)  # [B, 1, S, L]
     if sinks_Hq is None:
-        return F.scaled_dot_product_attention(q_BHqSD, k_BHqLD, v_BHqLD, attn_mask=allowed_SL, scale=scale)
+        return F.scaled_dot_product_attention(q_BHqSD, k_BHqLD, v_BHqLD, attn_mask=allowed, scale=scale)
     scores_BHqSL = torch.matmul(q_BHqSD, k_BHqLD.transpose(2, 3)) * scale
-    scores_BHqSL = scores_BHqSL.masked_fill(~allowed_SL, float("-inf"))
+    scores_BHqSL = scores_BHqSL.masked_fill(~allowed, float("-inf"))
     batch, heads, seq, _ = scores_BHqSL.shape
     sink_BHqS1 = sinks_Hq.to(scores_BHqSL.dtype).view(1, heads, 1, 1).expand(batch, heads, seq, 1)
     logits = torch.cat([scores_BHqSL, sink_BHqS1], dim=-1)

@@ -39,9 +39,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x_BSH: Tensor, cos_SD: Tensor, sin_SD: Tensor, cache: LayerKVCache | None = None, start: int = 0
+        self,
+        x_BSH: Tensor,
+        cos_SD: Tensor,
+        sin_SD: Tensor,
+        cache: LayerKVCache | None = None,
+        start: int = 0,
+        key_mask_BL: Tensor | None = None,
     ) -> Tensor:
-        h_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos_SD, sin_SD, cache, start)
+        h_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos_SD, sin_SD, cache, start, key_mask_BL)
         out_BSH: Tensor = h_BSH + self.mlp(self.post_attention_layernorm(h_BSH))
         return out_BSH
 
@@ -56,18 +62,44 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids_BS: Tensor, cache: KVCache | None = None) -> Tensor:
-        """With ``cache``, the tokens continue the cached ones: positions start at ``cache.length``."""
+    def forward(
+        self, input_ids_BS: Tensor, cache: KVCache | None = None, attention_mask_BS: Tensor | None = None
+    ) -> Tensor:
+        """With ``cache``, the tokens continue the cached ones: positions start at ``cache.length``.
+
+        ``attention_mask [B, S]`` (1: a real token, 0: left padding) gives each row its own positions
+        (its real tokens count from 0) and hides the padding from attention, here and in later cached steps.
+        """
         start = cache.length if cache is not None else 0
         x_BSH = self.embed_tokens(input_ids_BS)
-        positions_S = torch.arange(start, start + input_ids_BS.shape[1], device=x_BSH.device)
-        cos_SD, sin_SD = rope_cos_sin(self.config.rope, self.config.head_dim, positions_S, x_BSH.dtype)
+        positions, key_mask_BL = _positions(input_ids_BS, cache, attention_mask_BS, start)
+        cos_SD, sin_SD = rope_cos_sin(self.config.rope, self.config.head_dim, positions, x_BSH.dtype)
         for i, layer in enumerate(self.layers):
-            x_BSH = layer(x_BSH, cos_SD, sin_SD, cache.layers[i] if cache is not None else None, start)
+            layer_cache = cache.layers[i] if cache is not None else None
+            x_BSH = layer(x_BSH, cos_SD, sin_SD, layer_cache, start, key_mask_BL)
         if cache is not None:
             cache.advance(input_ids_BS.shape[1])
         out_BSH: Tensor = self.norm(x_BSH)
         return out_BSH
+
+
+def _positions(
+    input_ids_BS: Tensor, cache: KVCache | None, attention_mask_BS: Tensor | None, start: int
+) -> tuple[Tensor, Tensor | None]:
+    """``(positions, key_mask)``: ``[S]`` and None when every token is real; else per row ``[B, S]``
+    (real tokens before + running count - 1) and the real-token mask of every attended position ``[B, L]``."""
+    device = input_ids_BS.device
+    if attention_mask_BS is None and (cache is None or cache.key_mask is None):
+        return torch.arange(start, start + input_ids_BS.shape[1], device=device), None
+    mask_BS = attention_mask_BS.bool() if attention_mask_BS is not None else torch.ones_like(input_ids_BS).bool()
+    if cache is None:
+        before_B, key_mask_BL = torch.zeros(input_ids_BS.shape[0], dtype=torch.int64, device=device), mask_BS
+    else:
+        real = cache.real_tokens()
+        before_B = real if real is not None else torch.full((input_ids_BS.shape[0],), start, device=device)
+        key_mask_BL = cache.write_mask(mask_BS)
+    positions_BS = (before_B[:, None] + mask_BS.long().cumsum(dim=1) - 1).clamp_min(0)
+    return positions_BS, key_mask_BL
 
 
 class CausalLM(nn.Module, ABC):
@@ -94,9 +126,20 @@ class CausalLM(nn.Module, ABC):
     def default_plans(self) -> DefaultPlans:
         """This model's tp / ep / fsdp plans, keys as full paths (``model.layers.*.self_attn.q_proj``)."""
 
-    def forward(self, input_ids_BS: Tensor, cache: KVCache | None = None) -> Tensor:
-        logits_BSV: Tensor = self.lm_head(self.model(input_ids_BS, cache))
-        return logits_BSV
+    def forward(
+        self,
+        input_ids_BS: Tensor,
+        cache: KVCache | None = None,
+        attention_mask_BS: Tensor | None = None,
+        positions_B: Tensor | None = None,
+    ) -> Tensor:
+        """``logits [B, S, V]``; with ``positions_B``, only row ``b``'s position ``positions_B[b]``: ``[B, V]``
+        (the head never sees the other positions). One call through the root module, as FSDP2 requires."""
+        hidden_BSH = self.model(input_ids_BS, cache, attention_mask_BS)
+        if positions_B is not None:
+            hidden_BSH = hidden_BSH[torch.arange(hidden_BSH.shape[0], device=hidden_BSH.device), positions_B]
+        logits: Tensor = self.lm_head(hidden_BSH)
+        return logits
 
     @property
     def num_experts(self) -> int | None:

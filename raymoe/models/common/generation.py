@@ -1,12 +1,25 @@
-"""Single-process greedy generation with a KV cache.
+"""Single-process incremental decoding with a KV cache: greedy or sampled, left-padded prompts, stop rules.
 
 The prompt is run once (prefill) to fill the cache; each further step runs only the newest
-token. The head is applied to the last position only, so no ``[B, S, vocab]`` logits are built.
+token. The head is applied to the last position only, so no ``[B, S, vocab]`` logits are built::
+
+    prompts [B, S] (left-padded: attention_mask 0 before each row's first real token)
+      | prefill: every prompt position, positions counted over real tokens only
+      | step:    newest token of every row -> logits [B, V] -> next token (argmax, or sampled)
+      | a row is finished after an eos id or a stop sequence: later steps write the pad id
+
+Sampling (``do_sample``) applies ``temperature``, then ``top_k``, then ``top_p`` (the smallest set
+of most likely tokens whose probability reaches ``top_p``) and draws by inverse CDF with one
+uniform number per row and step. That number depends only on ``(seed, the row's index in the
+global batch, the step)`` (a CPU generator seeded from the three), so the same seed gives the same
+tokens however the rows are split over ranks, and a row's tokens do not depend on the other rows.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -16,44 +29,199 @@ from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.kv_cache import KVCache
 
 
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is chosen. The default is greedy; ``temperature == 0`` is greedy too."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.do_sample, bool):
+            raise ValueError(f"do_sample must be true or false, got {self.do_sample!r}")
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature!r} must be a number >= 0 (0: greedy)")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
+            raise ValueError(f"top_k={self.top_k!r} must be an int >= 1 or None")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if not _is_int(self.seed):
+            raise ValueError(f"seed={self.seed!r} must be an int")
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class StopRules:
+    """When a row is finished: after an ``eos_ids`` token or a ``stop_sequences`` tail; ``pad_id`` fills it after."""
+
+    eos_ids: tuple[int, ...] = ()
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    pad_id: int = 0
+
+    @property
+    def can_stop(self) -> bool:
+        return bool(self.eos_ids or self.stop_sequences)
+
+
+def pick_next(logits_BV: Tensor, sampling: SamplingConfig, uniform_B: Tensor | None = None) -> Tensor:
+    """``[B]`` next token ids from the last position's logits: argmax, or a draw with ``uniform_B`` in [0, 1)."""
+    if sampling.greedy:
+        return logits_BV.argmax(dim=-1)
+    if uniform_B is None:
+        raise ValueError("sampling needs one uniform number per row")
+    scores_BV = logits_BV.float() / sampling.temperature
+    if sampling.top_k is not None and sampling.top_k < scores_BV.shape[-1]:
+        kth_B1 = torch.topk(scores_BV, sampling.top_k, dim=-1).values[:, -1:]
+        scores_BV = scores_BV.masked_fill(scores_BV < kth_B1, float("-inf"))
+    if sampling.top_p < 1:
+        scores_BV = _nucleus(scores_BV, sampling.top_p)
+    probs_BV = torch.softmax(scores_BV, dim=-1)
+    cumulative_BV = probs_BV.cumsum(dim=-1)
+    target_B1 = uniform_B.to(cumulative_BV)[:, None] * cumulative_BV[:, -1:]
+    chosen_B = torch.searchsorted(cumulative_BV, target_B1, right=True).squeeze(-1)
+    return chosen_B.clamp_max(scores_BV.shape[-1] - 1)
+
+
+def _nucleus(scores_BV: Tensor, top_p: float) -> Tensor:
+    """Keep the most likely tokens until their probability reaches ``top_p`` (at least one); -inf the rest."""
+    sorted_BV, order_BV = torch.sort(scores_BV, dim=-1, descending=True)
+    probs_BV = torch.softmax(sorted_BV, dim=-1)
+    before_BV = probs_BV.cumsum(dim=-1) - probs_BV  # probability of the tokens ranked above
+    drop_sorted_BV = before_BV >= top_p
+    drop_BV = torch.zeros_like(drop_sorted_BV).scatter(-1, order_BV, drop_sorted_BV)
+    return scores_BV.masked_fill(drop_BV, float("-inf"))
+
+
+class Generation:
+    """One batch of prompts decoding on one model, one token per row per :meth:`step`.
+
+    ``row_ids [B]`` are the rows' indices in the global batch (they pick the sampling numbers, see the
+    module docstring); by default the batch is the global one.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        input_ids_BS: Tensor,
+        max_new_tokens: int,
+        *,
+        attention_mask_BS: Tensor | None = None,
+        sampling: SamplingConfig | None = None,
+        stop: StopRules | None = None,
+        row_ids: Sequence[int] | None = None,
+    ) -> None:
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        self.model = model
+        self.sampling = sampling or SamplingConfig()
+        self.stop = stop or StopRules()
+        self.max_new_tokens = max_new_tokens
+        batch, prompt_len = input_ids_BS.shape
+        self.cache = KVCache(len(model.model.layers), prompt_len + max_new_tokens)
+        self.device = input_ids_BS.device
+        self.row_ids = list(row_ids) if row_ids is not None else list(range(batch))
+        self.finished_B = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        # The number of tokens each row generated up to and including its stop token; -1 while running.
+        self.lengths_B = torch.full((batch,), -1, dtype=torch.int64, device=self.device)
+        self.tokens: list[Tensor] = [input_ids_BS]
+        self.steps = 0
+        self._pending: tuple[Tensor, Tensor | None] | None = (input_ids_BS, attention_mask_BS)
+
+    @property
+    def done(self) -> bool:
+        """Every step was taken, or every row finished (host sync)."""
+        return self.steps >= self.max_new_tokens or (self.stop.can_stop and bool(self.finished_B.all()))
+
+    def step(self) -> Tensor:
+        """``[B]`` the next token of every row (``pad_id`` for a finished row)."""
+        if self.steps >= self.max_new_tokens or self._pending is None:
+            raise RuntimeError(f"generation already took its {self.max_new_tokens} steps")
+        input_BS, mask_BS = self._pending
+        last_B = torch.full((input_BS.shape[0],), input_BS.shape[1] - 1, device=self.device)
+        logits_BV = self.model(input_BS, self.cache, mask_BS, last_B)
+        uniform_B = None if self.sampling.greedy else self._uniform().to(self.device)
+        next_B = pick_next(logits_BV, self.sampling, uniform_B)
+        next_B = torch.where(self.finished_B, torch.full_like(next_B, self.stop.pad_id), next_B)
+        self.tokens.append(next_B[:, None])
+        self.steps += 1
+        stopped_B = self._stops(next_B)
+        self.lengths_B = torch.where(stopped_B, self.steps, self.lengths_B)
+        self.finished_B |= stopped_B
+        self._pending = (next_B[:, None], None)
+        return next_B
+
+    def _uniform(self) -> Tensor:
+        """``[B]`` this step's number of each row, from ``(seed, global row, step)`` alone."""
+        numbers = []
+        for row in self.row_ids:
+            key = (self.sampling.seed * _MIX[0] + row * _MIX[1] + self.steps * _MIX[2]) % 2**63
+            numbers.append(torch.rand(1, generator=torch.Generator().manual_seed(key)))
+        return torch.cat(numbers)
+
+    def _stops(self, next_B: Tensor) -> Tensor:
+        """Rows whose newest token is an eos id or ends a stop sequence."""
+        stops_B = torch.isin(next_B, torch.tensor(self.stop.eos_ids, dtype=next_B.dtype, device=self.device))
+        if self.stop.stop_sequences:
+            generated_BN = torch.cat(self.tokens[1:], dim=1)
+            for sequence in self.stop.stop_sequences:
+                if generated_BN.shape[1] >= len(sequence):
+                    tail = torch.tensor(sequence, dtype=next_B.dtype, device=self.device)
+                    stops_B |= (generated_BN[:, -len(sequence) :] == tail).all(dim=1)
+        return stops_B & ~self.finished_B
+
+    def result(self) -> Tensor:
+        """``[B, S + steps]``: the prompts and every token generated so far."""
+        return torch.cat(self.tokens, dim=1)
+
+
 @torch.inference_mode()
 def generate(
     model: CausalLM,
     input_ids_BS: Tensor,
     max_new_tokens: int,
     *,
+    attention_mask_BS: Tensor | None = None,
+    sampling: SamplingConfig | None = None,
     eos_token_ids: Sequence[int] | None = None,
+    stop_sequences: Sequence[Sequence[int]] = (),
     pad_token_id: int | None = None,
     stop_early: bool = True,
 ) -> Tensor:
-    """``[B, S + n]``: the prompts followed by up to ``max_new_tokens`` greedy (argmax) tokens.
+    """``[B, S + n]``: the prompts followed by up to ``max_new_tokens`` tokens (greedy unless ``sampling`` says).
 
-    ``eos_token_ids`` defaults to the model config's. A sequence that produced one of them is
-    finished: later positions get ``pad_token_id`` (default: the config's, else the first eos
-    id), and generation stops early once every sequence is finished. Pass ``()`` to never stop.
-    ``stop_early=False`` runs all ``max_new_tokens`` steps anyway: ranks whose collectives must
-    stay in step (FSDP, expert dispatch) cannot stop at different times.
+    ``eos_token_ids`` defaults to the model config's. A sequence that produced one of them (or ended
+    with a stop sequence) is finished: later positions get ``pad_token_id`` (default: the config's,
+    else the first eos id), and generation stops early once every sequence is finished. Pass ``()``
+    to never stop. ``stop_early=False`` runs all ``max_new_tokens`` steps anyway: ranks whose
+    collectives must stay in step (FSDP, expert dispatch) cannot stop at different times.
     """
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    eos = tuple(model.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
-    pad = pad_token_for(model.config, eos, pad_token_id)
-    batch, prompt_len = input_ids_BS.shape
-    cache = KVCache(len(model.model.layers), prompt_len + max_new_tokens)
-    eos_ids = torch.tensor(eos, dtype=input_ids_BS.dtype, device=input_ids_BS.device)
-    finished_B = torch.zeros(batch, dtype=torch.bool, device=input_ids_BS.device)
-    tokens = [input_ids_BS]
-    step_input_BS = input_ids_BS
-    for _ in range(max_new_tokens):
-        hidden_BSH = model.model(step_input_BS, cache)
-        next_B = model.lm_head(hidden_BSH[:, -1]).argmax(dim=-1)
-        next_B = torch.where(finished_B, torch.full_like(next_B, pad), next_B)
-        tokens.append(next_B[:, None])
-        finished_B |= torch.isin(next_B, eos_ids)
-        if stop_early and eos and bool(finished_B.all()):
+    stop = stop_rules(model.config, eos_token_ids, stop_sequences, pad_token_id)
+    generation = Generation(
+        model, input_ids_BS, max_new_tokens, attention_mask_BS=attention_mask_BS, sampling=sampling, stop=stop
+    )
+    while generation.steps < max_new_tokens:
+        generation.step()
+        if stop_early and generation.done:
             break
-        step_input_BS = next_B[:, None]
-    return torch.cat(tokens, dim=1)
+    return generation.result()
+
+
+def stop_rules(
+    config: ModelConfig,
+    eos_token_ids: Sequence[int] | None = None,
+    stop_sequences: Sequence[Sequence[int]] = (),
+    pad_token_id: int | None = None,
+) -> StopRules:
+    """The stop rules of a request: ``eos_token_ids`` default to the config's; the pad id see :func:`pad_token_for`."""
+    eos = tuple(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    sequences = tuple(tuple(sequence) for sequence in stop_sequences)
+    return StopRules(eos, sequences, pad_token_for(config, eos, pad_token_id))
 
 
 def pad_token_for(config: ModelConfig, eos: tuple[int, ...], pad_token_id: int | None) -> int:
@@ -65,12 +233,23 @@ def pad_token_for(config: ModelConfig, eos: tuple[int, ...], pad_token_id: int |
     return eos[0] if eos else 0  # without eos no sequence finishes, so the pad value is never used
 
 
-def trim_finished(tokens_BL: Tensor, prompt_length: int, eos: Sequence[int]) -> Tensor:
-    """Drop the trailing steps after every row produced an eos id (what stopping early would have left)."""
-    if not eos or tokens_BL.shape[1] == prompt_length:
+def trim_finished(tokens_BL: Tensor, prompt_length: int, lengths_B: Tensor) -> Tensor:
+    """Drop the trailing steps after every row finished (what stopping early would have left).
+
+    ``lengths_B``: tokens each row generated up to its stop token, -1 for a row that never stopped.
+    """
+    if lengths_B.numel() == 0 or bool((lengths_B < 0).any()):
         return tokens_BL
-    is_eos_BN = torch.isin(tokens_BL[:, prompt_length:], torch.tensor(list(eos), dtype=tokens_BL.dtype))
-    if not bool(is_eos_BN.any(dim=1).all()):
-        return tokens_BL
-    last_needed = int(is_eos_BN.int().argmax(dim=1).max())  # the step at which the slowest row finished
-    return tokens_BL[:, : prompt_length + last_needed + 1]
+    return tokens_BL[:, : prompt_length + int(lengths_B.max())]
+
+
+# Odd 64-bit constants (splitmix64's) that spread (seed, row, step) over distinct generator seeds.
+_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

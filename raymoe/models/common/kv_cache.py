@@ -7,6 +7,7 @@ that holds only some key/value heads caches only those. Layout ``[B, kv_heads, m
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 
@@ -33,12 +34,29 @@ class LayerKVCache:
 
 
 class KVCache:
-    """Per-layer caches plus ``length``, the number of positions already cached (shared by all layers)."""
+    """Per-layer caches plus ``length``, the number of positions already cached (shared by all layers).
+
+    With left-padded rows the cache also keeps ``key_mask [B, max_length]`` (True: a real token), so
+    later steps neither attend to the padding nor count it in a row's positions.
+    """
 
     def __init__(self, num_layers: int, max_length: int) -> None:
         self.max_length = max_length
         self.length = 0
         self.layers = [LayerKVCache(max_length) for _ in range(num_layers)]
+        self.key_mask: Tensor | None = None
+
+    def write_mask(self, mask_BS: Tensor) -> Tensor:
+        """Record which new positions are real; returns the mask of every cached position, ``[B, length + S]``."""
+        end = self.length + mask_BS.shape[1]
+        if self.key_mask is None:
+            self.key_mask = mask_BS.new_ones(mask_BS.shape[0], self.max_length, dtype=torch.bool)
+        self.key_mask[:, self.length : end] = mask_BS.bool()
+        return self.key_mask[:, :end]
+
+    def real_tokens(self) -> Tensor | None:
+        """``[B]`` real tokens cached so far per row (None: no mask was ever written, every position is real)."""
+        return None if self.key_mask is None else self.key_mask[:, : self.length].sum(dim=1)
 
     def advance(self, num_tokens: int) -> None:
         """Called once per model forward, after every layer wrote its ``num_tokens`` new positions."""

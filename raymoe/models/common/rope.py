@@ -95,17 +95,20 @@ def attention_scaling(rope: RopeConfig) -> float:
 
 
 def rope_cos_sin(rope: RopeConfig, head_dim: int, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``cos, sin [S, head_dim]`` for integer ``positions [S]``, computed in float32 then cast to ``dtype``.
+    """``cos, sin [S, head_dim]`` for integer ``positions [S]`` (or ``[B, S, head_dim]`` for per-row positions
+    ``[B, S]``, as left-padded rows have), computed in float32 then cast to ``dtype``.
 
     Both are multiplied by :func:`attention_scaling` in float32, before the cast.
     """
-    angles = positions.float()[:, None] * inverse_frequencies(rope, head_dim, positions.device)[None, :]
+    angles = positions.float()[..., None] * inverse_frequencies(rope, head_dim, positions.device)
     angles = torch.cat((angles, angles), dim=-1)  # channel i pairs with channel i + head_dim/2
     scale = attention_scaling(rope)
     return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x [B, heads, S, head_dim]`` by the per-position angles."""
+    """Rotate ``x [B, heads, S, head_dim]`` by the per-position angles (``cos/sin [S, D]`` or per row ``[B, S, D]``)."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
     first, second = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-second, first), dim=-1) * sin

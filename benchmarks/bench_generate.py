@@ -1,0 +1,102 @@
+"""Generation speed (issue 21): time to first token and decode tokens/s, raymoe against transformers ``generate``.
+
+The embedded demo model (``raymoe.build_tiny_checkpoint``: Qwen3-MoE, 8 experts), greedy, eos off,
+prompts of ``--prompt-len`` tokens, batch 1 and 8 (``--batches``). Rows, all in one run:
+
+    transformers       ``model.generate`` in this process (eager experts loop)
+    raymoe 1-proc      ``raymoe.models.common.generation.generate`` in this process
+    raymoe 1 rank      ``DistributedModel.generate`` on one rank actor (adds the Ray round trip)
+    raymoe tp2         the same on two ranks, tp_size=2 (gloo all-reduces every layer)
+
+Time to first token (TTFT) is a generation of one new token; decode tokens/s is
+``batch * (n - 1) / (time(n tokens) - TTFT)``. Variants alternate over ``--rounds`` rounds; each
+figure is the best round's. On this 2-core CPU machine the absolute numbers are small and noisy:
+compare the ratios of one run.
+
+    .venv/bin/python benchmarks/bench_generate.py [--rounds 3] [--new-tokens 32] [--batches 1 8]
+
+Not run by the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import raymoe
+from raymoe.checkpoint import load_model
+from raymoe.models.common.generation import generate
+
+Generate = Callable[[torch.Tensor, int], object]
+
+
+def timed(fn: Generate, ids: torch.Tensor, new_tokens: int) -> float:
+    began = time.perf_counter()
+    fn(ids, new_tokens)
+    return time.perf_counter() - began
+
+
+def measure(fn: Generate, ids: torch.Tensor, new_tokens: int) -> tuple[float, float]:
+    """``(TTFT seconds, decode tokens/s)`` of one round."""
+    first = timed(fn, ids, 1)
+    whole = timed(fn, ids, new_tokens)
+    return first, ids.shape[0] * (new_tokens - 1) / max(whole - first, 1e-9)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # the rank actors get one CPU each; the in-process rows get the same
+
+    import transformers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = raymoe.build_tiny_checkpoint(Path(tmp) / "tiny")
+        reference = transformers.AutoModelForCausalLM.from_pretrained(
+            checkpoint, dtype=torch.float32, experts_implementation="eager"
+        ).eval()
+        ours = load_model(checkpoint).eval()
+        variants: dict[str, Generate] = {
+            "transformers": lambda ids, n: reference.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False
+            ),
+            "raymoe 1-proc": lambda ids, n: generate(ours, ids, n, eos_token_ids=()),
+        }
+        worlds = {"raymoe 1 rank": ({}, 1), "raymoe tp2": ({"tp_size": 2}, 2)}
+        handles = {}
+        for name, (layout, size) in worlds.items():
+            world = raymoe.start_world(size, cpus_per_rank=1)
+            handles[name] = (world, raymoe.from_pretrained(checkpoint, distributed_config=layout, world=world))
+            model = handles[name][1]
+            variants[name] = lambda ids, n, model=model: model.generate(ids, n, eos_token_ids=())
+        try:
+            print(f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, best of {args.rounds} rounds")
+            print(f"{'batch':>5}  {'variant':<15} {'TTFT ms':>9} {'decode tok/s':>13} {'vs transformers':>16}")
+            for batch in args.batches:
+                ids = torch.randint(0, 256, (batch, args.prompt_len), generator=torch.Generator().manual_seed(batch))
+                best = {name: (float("inf"), 0.0) for name in variants}
+                names = list(variants)
+                for round_index in range(args.rounds):
+                    for name in names[round_index % len(names) :] + names[: round_index % len(names)]:
+                        ttft, rate = measure(variants[name], ids, args.new_tokens)
+                        best[name] = (min(best[name][0], ttft), max(best[name][1], rate))
+                base = best["transformers"][1]
+                for name, (ttft, rate) in best.items():
+                    print(f"{batch:>5}  {name:<15} {ttft * 1e3:>9.1f} {rate:>13.0f} {rate / base:>15.2f}x")
+        finally:
+            for world, model in handles.values():
+                model.shutdown()
+                world.shutdown()
+
+
+if __name__ == "__main__":
+    main()

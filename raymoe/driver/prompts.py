@@ -1,0 +1,176 @@
+"""Inference batches on the driver: prompts of any lengths checked and left-padded, rows split over any layout.
+
+Prompts come as a ``[B, S]`` tensor (with an optional left-padding ``attention_mask``) or as a list
+of token-id lists of different lengths, which are left-padded here::
+
+    [[5, 6, 7], [8, 9]]  ->  input_ids [[5, 6, 7], [p, 8, 9]]   attention_mask [[1, 1, 1], [0, 1, 1]]
+
+Rows go to data-parallel batches in blocks (TOPO-1), like a training batch, but any number of rows
+works: with fewer rows than batches, an idle batch decodes a copy of row 0 (its ranks must join the
+collectives of every step) and its answer is dropped::
+
+    B = 1, dp_size = 2        batch 0: row 0        batch 1: row 0 again (idle, dropped)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from raymoe.driver.batch import check_input_ids
+from raymoe.spec.topology import Topology
+
+
+@dataclass(frozen=True)
+class PromptBatch:
+    """Prompts as the ranks take them.
+
+    ``input_ids [B, S]`` left-padded; ``attention_mask [B, S]`` (1: real token) or None when no row is
+    padded; ``lengths`` the real tokens of each row; ``as_list``: the caller gave lists and gets lists back.
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor | None
+    lengths: tuple[int, ...]
+    as_list: bool
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def prompt_batch(prompts: object, attention_mask: object | None, vocab_size: int, pad_id: int) -> PromptBatch:
+    """Check ``prompts`` (tensor or list of lists) and build the left-padded batch; a ``ValueError`` names a problem."""
+    if isinstance(prompts, Tensor):
+        ids = check_input_ids(prompts, vocab_size, "prompts")
+        if attention_mask is None:
+            return PromptBatch(ids, None, (ids.shape[1],) * ids.shape[0], as_list=False)
+        mask = check_left_padding(attention_mask, ids)
+        return PromptBatch(ids, mask, tuple(int(n) for n in mask.sum(dim=1)), as_list=False)
+    if attention_mask is not None:
+        raise ValueError("attention_mask goes with a prompts tensor; a list of token-id lists needs none")
+    rows = _token_lists(prompts, vocab_size)
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.int64)
+    mask = torch.zeros((len(rows), width), dtype=torch.int64)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.int64)
+        mask[i, width - len(row) :] = 1
+    padded = any(len(row) < width for row in rows)
+    return PromptBatch(ids, mask if padded else None, tuple(len(row) for row in rows), as_list=True)
+
+
+def check_left_padding(attention_mask: object, ids: Tensor) -> Tensor:
+    """The mask as int64 ``[B, S]``: only 0 and 1, padding only before the real tokens, one real token at least."""
+    if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != tuple(ids.shape):
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+        raise ValueError(f"attention_mask must be a tensor shaped like the prompts {tuple(ids.shape)}, got {shape}")
+    mask = attention_mask.detach().to("cpu", torch.int64)
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError("attention_mask must hold only 0 and 1")
+    if bool((mask[:, 1:] < mask[:, :-1]).any()):
+        raise ValueError("attention_mask has padding after real tokens; pad prompts on the left for generation")
+    empty = (mask.sum(dim=1) == 0).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"prompt rows {empty} are empty (attention_mask all 0): every prompt needs a token")
+    return mask
+
+
+def check_attention_mask(attention_mask: object, ids: Tensor) -> Tensor:
+    """A forward pass's mask as int64 ``[B, S]``: 0 and 1 only, padding on either side, one real token per row."""
+    if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != tuple(ids.shape):
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+        raise ValueError(f"attention_mask must be a tensor shaped like input_ids {tuple(ids.shape)}, got {shape}")
+    mask = attention_mask.detach().to("cpu", torch.int64)
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError("attention_mask must hold only 0 and 1")
+    empty = (mask.sum(dim=1) == 0).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"rows {empty} are empty (attention_mask all 0): every row needs a token")
+    return mask
+
+
+def check_token_ids(ids: Sequence[int] | None, vocab_size: int, name: str) -> tuple[int, ...] | None:
+    """``ids`` (e.g. ``eos_token_ids``) as a tuple of ints in the vocabulary; None stays None."""
+    if ids is None:
+        return None
+    if isinstance(ids, int) and not isinstance(ids, bool):
+        ids = [ids]
+    if not isinstance(ids, Sequence) or any(
+        isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in ids
+    ):
+        raise ValueError(f"{name}={ids!r} must be token ids in [0, {vocab_size})")
+    return tuple(ids)
+
+
+def check_stop_sequences(sequences: Sequence[Sequence[int]], vocab_size: int) -> tuple[tuple[int, ...], ...]:
+    """Non-empty token-id sequences; a row finishes when its generated tokens end with one of them."""
+    if not isinstance(sequences, Sequence) or isinstance(sequences, str | bytes):
+        raise ValueError(f"stop_sequences must be a list of token-id lists, got {type(sequences).__name__}")
+    checked = []
+    for i, sequence in enumerate(sequences):
+        ids = check_token_ids(sequence, vocab_size, f"stop_sequences[{i}]")
+        if not ids:
+            raise ValueError(f"stop_sequences[{i}] is empty: a stop sequence needs a token")
+        checked.append(ids)
+    return tuple(checked)
+
+
+def _token_lists(prompts: object, vocab_size: int) -> list[list[int]]:
+    if not isinstance(prompts, Sequence) or isinstance(prompts, str | bytes) or not prompts:
+        raise ValueError("prompts must be a tensor [batch, seq] or a non-empty list of token-id lists")
+    rows = []
+    for i, row in enumerate(prompts):
+        if not isinstance(row, Sequence) or isinstance(row, str | bytes):
+            raise ValueError(f"prompt {i} must be a list of token ids, got {type(row).__name__}")
+        if not row:
+            raise ValueError(f"prompt {i} is empty: every prompt needs a token")
+        bad = [t for t in row if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has {bad[:5]}: token ids must be ints in [0, {vocab_size})")
+        rows.append(list(row))
+    return rows
+
+
+@dataclass(frozen=True)
+class RowSplit:
+    """The global rows each data-parallel batch decodes (``rows[d]``, indices), and which batches are idle."""
+
+    rows: tuple[Tensor, ...]
+    idle: tuple[bool, ...]
+
+    def for_ranks(self, tensor: Tensor | None, topology: Topology) -> list[Tensor | None]:
+        """Rank r's rows of ``tensor`` (the block of its data-parallel coordinate); None stays None."""
+        return [None if tensor is None else tensor[self.rows[coords.batch]] for coords in topology.ranks]
+
+    def row_ids(self, topology: Topology) -> list[Tensor]:
+        return [self.rows[coords.batch] for coords in topology.ranks]
+
+    def gather(self, answers: Sequence[Tensor]) -> Tensor:
+        """The answers of the batches (in batch order) as one tensor of the global rows, idle ones dropped."""
+        return torch.cat([answer for answer, idle in zip(answers, self.idle, strict=True) if not idle])
+
+
+def split_rows(num_rows: int, dp_size: int) -> RowSplit:
+    """Blocks of row indices per data-parallel batch (uneven allowed); a batch without rows borrows row 0."""
+    blocks = torch.tensor_split(torch.arange(num_rows), dp_size)
+    idle = tuple(block.numel() == 0 for block in blocks)
+    return RowSplit(
+        tuple(torch.zeros(1, dtype=torch.int64) if empty else b for b, empty in zip(blocks, idle, strict=True)), idle
+    )
+
+
+def as_output(tokens: Tensor, batch: PromptBatch, lengths: Tensor) -> Tensor | list[list[int]]:
+    """The caller's form: a tensor ``[B, S + n]`` for a tensor, else each row's prompt and continuation, no padding
+    (a row ends with its stop token; ``lengths[b]`` its generated tokens, -1 for a row that ran to the limit)."""
+    if not batch.as_list:
+        return tokens
+    width = batch.input_ids.shape[1]
+    out = []
+    for b, real in enumerate(batch.lengths):
+        end = tokens.shape[1] if int(lengths[b]) < 0 else width + int(lengths[b])
+        out.append(tokens[b, width - real : end].tolist())
+    return out
