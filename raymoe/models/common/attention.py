@@ -108,8 +108,10 @@ def _masked_attention(
     seq, length = q_BHqSD.shape[2], k_BHqLD.shape[2]
     allowed = visible_keys(seq, length, start, window, q_BHqSD.device)  # [S, L]
     if key_mask_BL is not None:
-        own_SL = torch.arange(length, device=q_BHqSD.device)[None, :] == torch.arange(start, start + seq)[:, None]
-        allowed = (allowed & key_mask_BL[:, None, None, :]) | own_SL.to(q_BHqSD.device)  # [B, 1, S, L]
+        device = q_BHqSD.device
+        query_pos = torch.arange(start, start + seq, device=device)
+        own_SL = torch.arange(length, device=device)[None, :] == query_pos[:, None]
+        allowed = (allowed & key_mask_BL[:, None, None, :]) | own_SL  # [B, 1, S, L]
     if sinks_Hq is None:
         return F.scaled_dot_product_attention(q_BHqSD, k_BHqLD, v_BHqLD, attn_mask=allowed, scale=scale)
     scores_BHqSL = torch.matmul(q_BHqSD, k_BHqLD.transpose(2, 3)) * scale
