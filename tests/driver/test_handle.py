@@ -92,9 +92,10 @@ def test_handle_surface_and_lifecycle(ray_session, tiny_checkpoint):
         model(torch.tensor([[0, 500], [1, 2]]))
     with pytest.raises(ValueError, match=r"input_ids must hold integer token ids"):
         model(torch.zeros(2, 3))
-    with pytest.raises(ValueError, match=r"has 1 rows but the layout has dp_size=2"):
-        model(torch.zeros(1, 3, dtype=torch.long))
+    assert model(torch.zeros(1, 3, dtype=torch.long)).shape == (1, 3, 96)  # inference: any number of rows
     model.configure_training()
+    with pytest.raises(ValueError, match=r"has 1 rows but the layout has dp_size=2"):
+        model.train_step(torch.zeros(1, 3, dtype=torch.long))  # training: a row per data-parallel rank
     with pytest.raises(ValueError, match="left padding"):
         model.train_step(torch.zeros(2, 3, dtype=torch.long), attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]))
     with pytest.raises(ValueError, match=r"micro_batches=2 needs at least that many rows per data-parallel rank"):
