@@ -64,18 +64,10 @@ def prompt_batch(prompts: object, attention_mask: object | None, vocab_size: int
 
 
 def check_left_padding(attention_mask: object, ids: Tensor) -> Tensor:
-    """The mask as int64 ``[B, S]``: only 0 and 1, padding only before the real tokens, one real token at least."""
-    if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != tuple(ids.shape):
-        shape = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
-        raise ValueError(f"attention_mask must be a tensor shaped like the prompts {tuple(ids.shape)}, got {shape}")
-    mask = attention_mask.detach().to("cpu", torch.int64)
-    if bool(((mask != 0) & (mask != 1)).any()):
-        raise ValueError("attention_mask must hold only 0 and 1")
+    """:func:`check_attention_mask`, and padding only before the real tokens (generation continues every row)."""
+    mask = check_attention_mask(attention_mask, ids)
     if bool((mask[:, 1:] < mask[:, :-1]).any()):
         raise ValueError("attention_mask has padding after real tokens; pad prompts on the left for generation")
-    empty = (mask.sum(dim=1) == 0).nonzero().flatten().tolist()
-    if empty:
-        raise ValueError(f"prompt rows {empty} are empty (attention_mask all 0): every prompt needs a token")
     return mask
 
 
@@ -83,7 +75,7 @@ def check_attention_mask(attention_mask: object, ids: Tensor) -> Tensor:
     """A forward pass's mask as int64 ``[B, S]``: 0 and 1 only, padding on either side, one real token per row."""
     if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != tuple(ids.shape):
         shape = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
-        raise ValueError(f"attention_mask must be a tensor shaped like input_ids {tuple(ids.shape)}, got {shape}")
+        raise ValueError(f"attention_mask must be a tensor shaped like the ids {tuple(ids.shape)}, got {shape}")
     mask = attention_mask.detach().to("cpu", torch.int64)
     if bool(((mask != 0) & (mask != 1)).any()):
         raise ValueError("attention_mask must hold only 0 and 1")

@@ -40,8 +40,13 @@ def test_prompts_of_different_lengths_continue_as_in_transformers(
     hf_model = load_hf_model(directory)
     prompts = ragged_prompts(hf_model.config.vocab_size)
     expected = transformers_continuations(hf_model, prompts, 8)
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    expected_tensor = hf_model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     with load_on_world(directory, LAYOUTS[layout]) as model:
         assert model.generate(prompts, 8, pad_token_id=0) == expected
+        assert torch.equal(model.generate(ids, 8, attention_mask=mask, pad_token_id=0), expected_tensor)
         assert model.generate(prompts[1:2], 8) == expected[1:2]  # one prompt: three data-parallel batches idle
         streamed = [list(p) for p in prompts]
         for step in model.generate_stream(prompts, 8, pad_token_id=0):
