@@ -238,8 +238,14 @@ def read_documents(path: str | os.PathLike[str], text_field: str = "text") -> li
 
 def _read_jsonl(file: Path, text_field: str) -> list[str]:
     documents = []
-    with file.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
+    with file.open("rb") as raw_lines:
+        for number, raw in enumerate(raw_lines, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(
+                    f"dataset {file} line {number} is not UTF-8 text ({exc.reason} at byte {exc.start} of the line)"
+                ) from exc
             if not line.strip():
                 continue
             try:
@@ -262,7 +268,10 @@ def _read_jsonl(file: Path, text_field: str) -> list[str]:
 def load_token_array(path: str | os.PathLike[str]) -> np.ndarray:
     """A pre-tokenized ``.npy`` array: 1-D (a token stream) or 2-D ``[N, S]`` (packed rows) of integers."""
     file = _existing_file(path)
-    array: np.ndarray = np.load(file, allow_pickle=False)
+    try:
+        array: np.ndarray = np.load(file, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:  # not a .npy file, a truncated one, or pickled objects
+        raise ValueError(f"dataset {file} is not a .npy array of token ids ({exc})") from exc
     if array.ndim not in (1, 2) or not np.issubdtype(array.dtype, np.integer):
         raise ValueError(
             f"dataset {file} must hold a 1-D or 2-D integer array of token ids, got {array.dtype} {array.shape}"

@@ -91,6 +91,10 @@ def test_a_tiny_hub_family_checkpoint_fine_tunes(
         (["--capacity-factor", "-1"], r"capacity_factor=-1.0 must be a number > 0"),
         (["--router-aux-loss-coef", "-0.5"], r"router_aux_loss_coef=-0.5 must be a number >= 0"),
         (["--balance", "bias"], r"balance='bias' needs a router with a per-expert selection bias"),
+        (["--seq-len", "100000000"], r"--seq-len=100000000 exceeds the model's max_position_embeddings=512"),
+        (["--dataset", "{out_of_vocab}"], r"out_of_vocab.npy holds token id 999, outside .* vocabulary \[0, 264\)"),
+        (["--dataset", "{garbage}"], r"garbage.npy is not a .npy array of token ids"),
+        (["--dataset", "{latin1}"], r"latin1.jsonl line 2 is not UTF-8 text"),
     ],
     ids=[
         "missing_dataset",
@@ -102,14 +106,28 @@ def test_a_tiny_hub_family_checkpoint_fine_tunes(
         "negative_capacity",
         "negative_aux_coef",
         "bias_without_a_biased_router",
+        "huge_seq_len_checked_before_reading",
+        "npy_ids_outside_the_vocabulary",
+        "npy_that_is_not_an_array",
+        "jsonl_that_is_not_utf8",
     ],
 )
 def test_bad_input_is_one_error_before_any_step(ray_session, finetune, tmp_path, capsys, args, message):
     before = rank_actors_alive(ray_session)
-    empty = tmp_path / "empty.txt"
-    empty.write_text("")
+    import numpy as np
+
+    files = {name: tmp_path / name for name in ("empty.txt", "out_of_vocab.npy", "garbage.npy", "latin1.jsonl")}
+    files["empty.txt"].write_text("")
+    np.save(files["out_of_vocab.npy"], np.array([1, 2, 999, 3] * 50))
+    files["garbage.npy"].write_bytes(b"not an array at all")
+    files["latin1.jsonl"].write_bytes('{"text": "ok"}\n{"text": "caf\u00e9"}\n'.encode("latin-1"))
     out = tmp_path / "run"
-    argv = [a.replace("{empty}", str(empty)) for a in args] + ["--output-dir", str(out), "--no-progress"]
+    argv = []
+    for arg in args:
+        for name, file in files.items():
+            arg = arg.replace("{" + name.split(".")[0] + "}", str(file))
+        argv.append(arg)
+    argv += ["--output-dir", str(out), "--no-progress"]
     assert finetune.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("finetune.py: error: "), err
