@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.cluster import track_world
 from actors.placement import Placement, PlacementRequest, check_fits, cluster_nodes, node_block, place
 from actors.rank import RankActor, RankFailure
 from raymoe.rank.context import Backend, Rendezvous, use_layout
@@ -77,6 +78,7 @@ class RayRankGroup:
             for bundle in placement.bundle_of_rank
         ]
         group = cls(world_size, placement, actors)
+        track_world(group)
         try:
             group._join(options)
         except BaseException:
