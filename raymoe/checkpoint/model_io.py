@@ -49,6 +49,13 @@ def reader_for(directory: str | os.PathLike[str], model: CausalLM) -> Checkpoint
     return CheckpointReader(directory, model.hub_layout(available), model.is_ignored_hub_key)
 
 
+def check_checkpoint(directory: str | os.PathLike[str], model: CausalLM) -> None:
+    """Every tensor ``model`` needs is in ``directory`` with its shape and a float dtype, every file readable:
+    one ``ValueError`` naming the files and tensors otherwise. Reads only the safetensors headers."""
+    with reader_for(directory, model) as reader:
+        reader.check({name: param.shape for name, param in model.named_parameters()}, model_name=type(model).__name__)
+
+
 def load_model(
     name_or_path: str | os.PathLike[str],
     *,

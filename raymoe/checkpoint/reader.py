@@ -33,7 +33,7 @@ from types import TracebackType
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from raymoe.checkpoint.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK, dequantize_mxfp4
@@ -82,11 +82,22 @@ class SafetensorsFiles:
             return dict(weight_map)
         if (self.directory / SAFETENSORS_FILE).is_file():
             return dict.fromkeys(self._open(SAFETENSORS_FILE).keys(), SAFETENSORS_FILE)
-        raise ValueError(f"no {SAFETENSORS_FILE} or {INDEX_FILE} in {self.directory}")
+        others = sorted(path.name for path in self.directory.glob("*.bin"))
+        hint = f"; it has {', '.join(others[:3])}: raymoe reads safetensors checkpoints only" if others else ""
+        raise ValueError(f"no {SAFETENSORS_FILE} or {INDEX_FILE} in {self.directory}{hint}")
 
     def _open(self, file: str) -> Any:
         if file not in self._handles:
-            self._handles[file] = self._stack.enter_context(safe_open(self.directory / file, framework="pt"))
+            path = self.directory / file
+            try:
+                handle = safe_open(path, framework="pt")
+            except (SafetensorError, OSError) as exc:
+                size = path.stat().st_size if path.is_file() else None
+                raise ValueError(
+                    f"{path} ({size} bytes) is not a readable safetensors file: {exc}; is it truncated (an "
+                    "interrupted download or copy)?"
+                ) from exc
+            self._handles[file] = self._stack.enter_context(handle)
         return self._handles[file]
 
     def keys(self) -> list[str]:

@@ -4,19 +4,23 @@
     config.json ────────┼─> topology + meta model -> resolved plans -> LaunchSpec ──> each rank
     world size ─────────┘        (every ValueError is raised here, nothing is read yet)
 
-Only ``config.json`` is fetched here; each rank resolves the weights itself, on its own node.
+Only ``config.json`` is fetched here; each rank resolves the weights itself, on its own node. A
+checkpoint that is a local directory is also checked here, from its safetensors headers (a few KB per
+file): truncated files, missing, unexpected, wrong-shape or wrong-dtype tensors fail before any actor.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from raymoe.checkpoint.hub import resolve_config_file
+from raymoe.checkpoint.model_io import check_checkpoint
+from raymoe.models.common.config import read_config_file
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.registry import build_model, parse_model_config
 from raymoe.spec.config import DistributedConfig
@@ -82,11 +86,10 @@ def prepare_launch(
     dtype_of_weights = dtype_name(dtype)
     topology = build_topology(config, world_size)
     config_file = resolve_config_file(name_or_path, revision=revision, cache_dir=cache_dir)
-    with config_file.open() as f:
-        raw = json.load(f)
-    if not isinstance(raw, dict):
-        raise ValueError(f"{config_file} must hold a JSON object, got {type(raw).__name__}")
+    raw = read_config_file(config_file.parent)
     model = build_model(parse_model_config(raw), device="meta")
+    if Path(name_or_path).expanduser().is_dir():  # a hub id's weights are fetched by each rank, on its node
+        check_checkpoint(Path(name_or_path).expanduser(), model)
     plans = resolve_plans(model, model.default_plans(), topology.config, num_experts=model.num_experts)
     return LaunchSpec(
         source=str(name_or_path),

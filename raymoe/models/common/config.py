@@ -157,7 +157,10 @@ def read_config_file(directory: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ValueError(f"no config.json in {directory}")
     with path.open() as f:
-        raw = json.load(f)
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not valid JSON: {exc}") from exc
     if not isinstance(raw, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}")
     return raw
