@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -88,6 +88,7 @@ class RankContext:
     world_size: int
     device: torch.device
     backend: str
+    collective_timeout_s: float = 1800.0  # of the world group and of every sub-mesh group
     layout: RankLayout | None = None
     loaded: LoadedModel | None = None
     _meshes: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[DeviceMesh, DeviceMesh]] = field(
@@ -100,7 +101,7 @@ class RankContext:
             raise ValueError(f"a layout of {topology.world_size} ranks cannot run on a world of {self.world_size}")
         key = (topology.mesh_shape(DENSE_AXES), topology.mesh_shape(EXPERT_AXES))
         if key not in self._meshes:
-            self._meshes[key] = build_meshes(topology, self.device.type)
+            self._meshes[key] = build_meshes(topology, self.device.type, self.backend, self.collective_timeout_s)
         dense, expert = self._meshes[key]
         self.layout = RankLayout(topology, topology.ranks[self.rank], dense, expert)
         return self.layout
@@ -173,7 +174,7 @@ def join_world(rendezvous: Rendezvous) -> RankContext:
         timeout=timedelta(seconds=rendezvous.collective_timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
-    return RankContext(rendezvous.rank, rendezvous.world_size, device, backend)
+    return RankContext(rendezvous.rank, rendezvous.world_size, device, backend, rendezvous.collective_timeout_s)
 
 
 def use_layout(ctx: RankContext, topology: Topology) -> None:
@@ -190,20 +191,40 @@ def _bind_device(backend: str) -> torch.device:
     return torch.device("cuda", 0)
 
 
-def build_meshes(topology: Topology, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
-    """The dense and expert DeviceMeshes; every rank must call this (it creates process groups)."""
+def build_meshes(topology: Topology, device_type: str, backend: str, timeout_s: float) -> tuple[DeviceMesh, DeviceMesh]:
+    """The dense and expert DeviceMeshes; every rank must call this (it creates process groups).
+
+    Every sub-mesh group (tp, fsdp, ep, efsdp, dp_replicate) gets the world's collective timeout: left to
+    torch, they would wait 30 minutes in a collective a rank never reaches.
+    """
     ranks = torch.arange(topology.world_size)
+    override = _backend_with_timeout(backend, timeout_s)
     dense = DeviceMesh(
         device_type,
         ranks.reshape(topology.mesh_shape(DENSE_AXES)),
         mesh_dim_names=tuple(axis.value for axis in DENSE_AXES),
+        backend_override=(override,) * len(DENSE_AXES),
     )
     expert = DeviceMesh(
         device_type,
         ranks.reshape(topology.mesh_shape(EXPERT_AXES)),
         mesh_dim_names=tuple(axis.value for axis in EXPERT_AXES),
+        backend_override=(override,) * len(EXPERT_AXES),
     )
     return dense, expert
+
+
+def _backend_with_timeout(backend: str, timeout_s: float) -> tuple[str, Any]:
+    """``(backend, options)`` for a mesh dim: the backend's process-group options carrying ``timeout_s``."""
+    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = timedelta(seconds=timeout_s)
+    return backend, options
+
+
+def group_timeout_s(group: dist.ProcessGroup, device: torch.device) -> float:
+    """The collective timeout a process group was created with, in seconds (for checks and diagnostics)."""
+    timeout: timedelta = group._get_backend(device).options._timeout
+    return timeout.total_seconds()
 
 
 def leave_world() -> None:
