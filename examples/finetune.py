@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import raymoe
-from actors import PlacementError
+from actors import PlacementError, RankError
 from raymoe.checkpoint import resolve_config_file
 from raymoe.models import ModelConfig, load_model_config
 
@@ -122,6 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="checkpoint, metrics, plot (default: %(default)s)",
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--debug", action="store_true", help="print a failing rank's whole traceback")
     return parser.parse_args(argv)
 
 
@@ -232,6 +233,11 @@ def main(argv: list[str] | None = None) -> int:
         # Bad input, or sizes the cluster cannot host: raised on the driver before any training step.
         print(f"finetune.py: error: {exc}", file=sys.stderr)
         return 2
+    except RankError as exc:
+        # A rank failed while running: which rank, where and why in one line; its traceback with --debug.
+        detail = str(exc) if args.debug else f"{str(exc).splitlines()[0]} (--debug shows the rank's traceback)"
+        print(f"finetune.py: rank failure: {detail}", file=sys.stderr)
+        return 1
     print_summary(summary)
     return 0
 

@@ -134,3 +134,24 @@ def test_bad_input_is_one_error_before_any_step(ray_session, finetune, tmp_path,
     assert re.search(message, err[0]), err[0]
     assert not (out / "metrics.jsonl").exists()  # no step ran
     assert rank_actors_alive(ray_session) == before
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_rank_failure_is_one_line_unless_debugging(finetune, monkeypatch, capsys, debug):
+    from actors import RankError
+
+    message = "rank 1 (dp_replicate=0, fsdp=1, tp=0) failed in train_step: RuntimeError: boom"
+    remote = 'Traceback (most recent call last):\n  File "train.py", line 1\nRuntimeError: boom'
+
+    def fail(args):
+        raise RankError(f"{message}\n--- traceback on rank 1 ---\n{remote}", 1, "train_step", remote)
+
+    monkeypatch.setattr(finetune, "run", fail)
+    assert finetune.main(["--no-progress", *(["--debug"] if debug else [])]) == 1
+    err = capsys.readouterr().err
+    if debug:
+        assert err.startswith(f"finetune.py: rank failure: {message}") and "RuntimeError: boom" in err.splitlines()[-1]
+    else:
+        assert err.strip().splitlines() == [
+            f"finetune.py: rank failure: {message} (--debug shows the rank's traceback)"
+        ]
