@@ -10,12 +10,14 @@ from raymoe.checkpoint.model_io import (
     write_config,
 )
 from raymoe.checkpoint.reader import CheckpointReader, SafetensorsFiles
+from raymoe.checkpoint.staging import CheckpointSaveError
 from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE, CheckpointWriter
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",
     "HUB_ALLOW_PATTERNS",
     "CheckpointReader",
+    "CheckpointSaveError",
     "CheckpointWriter",
     "SafetensorsFiles",
     "assign_parameter",

@@ -64,6 +64,12 @@ def _local_directory(name_or_path: str | os.PathLike[str]) -> Path | None:
         return path
     if path.exists():
         raise ValueError(f"{str(name_or_path)!r} is a file; pass the directory holding config.json and the weights")
+    left = sorted(path.parent.glob(f".{path.name}.previous-*"))
+    if left:  # a save crashed between its two renames (raymoe.checkpoint.staging)
+        raise ValueError(
+            f"checkpoint directory {str(name_or_path)!r} does not exist, but a save into it that did not finish left "
+            f"the previous checkpoint whole in {left[-1]}; the next save there restores it, or rename it back"
+        )
     if _looks_like_a_path(str(name_or_path)):
         raise ValueError(f"checkpoint directory {str(name_or_path)!r} does not exist")
     return None

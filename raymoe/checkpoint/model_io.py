@@ -3,7 +3,8 @@
     load_model   resolve (local dir or hub snapshot) -> parse config.json -> build on meta
                  -> check every tensor against the model (one error listing all problems)
                  -> read each parameter, assign it in place of the meta one -> re-tie embeddings
-    save_model   config.json + weights in the hub layout (per-expert tensors), loadable by transformers
+    save_model   config.json + weights in the hub layout (per-expert tensors), loadable by transformers,
+                 staged beside the directory and swapped in whole (raymoe.checkpoint.writer)
 
 Sharded loading on the ranks (:mod:`raymoe.rank.load`) reads blocks of each parameter through the
 same :class:`CheckpointReader` (:func:`open_checkpoint`); sharded saving streams gathered tensors
@@ -12,7 +13,6 @@ into :func:`save_model`.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from raymoe.checkpoint.hub import resolve_checkpoint
 from raymoe.checkpoint.reader import CheckpointReader, SafetensorsFiles
+from raymoe.checkpoint.staging import write_json
 from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE, CheckpointWriter
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.registry import build_model, load_model_config
@@ -102,17 +103,22 @@ def save_model(
 
     ``tensors`` yields ``(parameter name, full tensor)`` in place of the model's own parameters,
     one at a time (a sharded model gathers each just before it is written).
+
+    All or nothing: weights and ``config.json`` are staged beside ``directory``, read back and swapped in
+    whole (:mod:`raymoe.checkpoint.staging`); files of ``directory`` the save does not write (a tokenizer,
+    a README) are kept. A failure raises :class:`~raymoe.checkpoint.staging.CheckpointSaveError` (an
+    ``OSError``) naming the file and the cause and leaves ``directory`` as it was.
     """
     with CheckpointWriter(directory, layout=model.hub_layout(), max_shard_size=max_shard_size) as writer:
         for name, tensor in tensors if tensors is not None else model.named_parameters():
             writer.write_parameter(name, tensor)
-        files = writer.close()
-    write_config(model, directory)
-    return files
+        write_config(model, writer.staging)
+        return writer.close()
 
 
 def write_config(model: CausalLM, directory: str | os.PathLike[str]) -> Path:
-    """The ``config.json`` the model was built from, with the dtype of the weights being saved."""
+    """The ``config.json`` the model was built from, with the dtype of the weights being saved, written (and
+    flushed to disk) into ``directory``; a failure is a ``CheckpointSaveError`` naming the file and the cause."""
     raw = dict(model.config.raw)
     raw["dtype"] = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
     raw.pop("torch_dtype", None)  # the transformers 4 spelling of "dtype"; keep one
@@ -120,6 +126,5 @@ def write_config(model: CausalLM, directory: str | os.PathLike[str]) -> Path:
     raw.setdefault("model_type", model.model_type)
     raw.setdefault("architectures", [type(model).__name__])
     path = Path(directory) / "config.json"
-    with path.open("w") as f:
-        json.dump(raw, f, indent=2, sort_keys=True)
+    write_json(path, raw, sort_keys=True)
     return path

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from raymoe.checkpoint.staging import CheckpointSaveError
 from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE
 from raymoe.driver.batch import (
     GlobalBatch,
@@ -390,10 +391,24 @@ class DistributedModel:
         return batch, micro
 
     def save_pretrained(self, path: str | os.PathLike[str], max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> list[Path]:
-        """Gather the weights into a hub-layout checkpoint at ``path`` (written by rank 0, on its node)."""
+        """Gather the weights into a hub-layout checkpoint at ``path`` (written by rank 0, on its node).
+
+        All or nothing: the new checkpoint is staged beside ``path`` and swapped in whole, keeping the files
+        there it does not write (a tokenizer). Whatever makes it fail (a full disk, an I/O error, a check of
+        the written files), it raises one :class:`~raymoe.checkpoint.staging.CheckpointSaveError`, an
+        ``OSError`` (``errno`` the disk's code) naming the path, the file and the cause; ``path`` keeps the
+        previous checkpoint and the model stays loaded, weights and optimizer state: fix the cause and save
+        again, or keep training.
+        """
         directory = Path(path).expanduser().absolute()
-        files = self._ranks().execute(save_gathered, str(directory), max_shard_size)[0]
-        return [Path(file) for file in files]
+        result = self._ranks().execute(save_gathered, str(directory), max_shard_size)[0]
+        if result.error is not None:
+            raise CheckpointSaveError(
+                f"save_pretrained({str(directory)!r}) saved nothing: {result.error}. The model is still loaded "
+                "(weights and optimizer state): fix the cause and call save_pretrained again",
+                result.errno,
+            )
+        return [Path(file) for file in result.files]
 
     def run_on_ranks(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """``fn(ctx, *args, **kwargs)`` on every rank, results in rank order: for inspecting or extending

@@ -3,11 +3,22 @@
 Parameters are gathered one at a time, in the same order on every rank (each gather is a
 collective), and rank 0 streams them to :class:`~raymoe.checkpoint.writer.CheckpointWriter`,
 so no rank ever holds more than one full parameter beyond its own shards.
+
+A failed write does not fail the rank. Rank 0 catches the writer's ``OSError`` / ``ValueError``,
+keeps joining every remaining gather, dropping the tensors (the other ranks are already waiting in
+the next one and would hang there until the collective timeout), and answers the failure as data;
+the driver raises it, and the ranks keep their weights and optimizer state::
+
+    rank 0    gather p0, write   gather p1, write fails   gather p2 (dropped) ... gather pN   -> SaveResult(error=...)
+    rank 1..  gather p0          gather p1                gather p2           ... gather pN   -> SaveResult()
+
+Any other exception (a failed collective, a bug) is a rank failure as before.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from torch import Tensor
 from torch.distributed.tensor import DTensor
@@ -17,17 +28,38 @@ from raymoe.models.common.decoder import CausalLM
 from raymoe.rank.context import RankContext
 
 
-def save_gathered(ctx: RankContext, directory: str, max_shard_size: int) -> list[str]:
-    """Every rank gathers; rank 0 writes under ``directory`` (on its node) and returns the file names."""
+@dataclass(frozen=True)
+class SaveResult:
+    """One rank's answer to :func:`save_gathered`: rank 0's files, or why it saved nothing (``error``, a message
+    naming the file and the cause; ``errno``, the disk's code when it gave one). Other ranks answer an empty one."""
+
+    files: tuple[str, ...] = ()
+    error: str | None = None
+    errno: int | None = None
+
+
+def save_gathered(ctx: RankContext, directory: str, max_shard_size: int) -> SaveResult:
+    """Every rank gathers; rank 0 writes under ``directory`` (on its node) and answers the files or the failure."""
     model = ctx.require_model().model
-    if ctx.rank == 0:
-        files = save_model(model, directory, max_shard_size=max_shard_size, tensors=_gathered(model))
-        return [str(path) for path in files]
-    for _ in _gathered(model):
-        pass
-    return []
+    tensors = _gathered(model)
+    if ctx.rank != 0:
+        _join_remaining(tensors)
+        return SaveResult()
+    try:
+        files = save_model(model, directory, max_shard_size=max_shard_size, tensors=tensors)
+    except (OSError, ValueError) as error:
+        _join_remaining(tensors)
+        cause = str(error) if isinstance(error, OSError) else f"{type(error).__name__}: {error}"
+        return SaveResult(error=cause, errno=error.errno if isinstance(error, OSError) else None)
+    return SaveResult(files=tuple(str(path) for path in files))
 
 
 def _gathered(model: CausalLM) -> Iterator[tuple[str, Tensor]]:
     for name, param in model.named_parameters():
         yield name, (param.full_tensor() if isinstance(param, DTensor) else param.detach())
+
+
+def _join_remaining(tensors: Iterator[tuple[str, Tensor]]) -> None:
+    """Take part in every gather not yet done (all of them, or those after a failed write), dropping the tensors."""
+    for _ in tensors:
+        pass
