@@ -144,7 +144,7 @@ class CausalLM(nn.Module, ABC):
     @property
     def num_experts(self) -> int | None:
         """Routed experts per sparse layer; None for a dense model."""
-        return None
+        return self.config.moe.num_experts if self.config.moe is not None else None
 
     def sparse_layers(self) -> list[int]:
         """Indices of the layers whose feed-forward routes through experts."""

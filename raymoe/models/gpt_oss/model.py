@@ -29,11 +29,6 @@ class GptOssForCausalLM(CausalLM):
         assert config.moe is not None  # parse_gpt_oss_config always sets it
         return SparseMoeBlock(config.hidden_size, config.moe, router_name="router")
 
-    @property
-    def num_experts(self) -> int | None:
-        assert self.config.moe is not None
-        return self.config.moe.num_experts
-
     def default_plans(self) -> DefaultPlans:
         return gpt_oss_plans(self.config)
 

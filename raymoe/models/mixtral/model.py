@@ -33,11 +33,6 @@ class MixtralForCausalLM(CausalLM):
         assert config.moe is not None  # parse_mixtral_config always sets it
         return SparseMoeBlock(config.hidden_size, config.moe)
 
-    @property
-    def num_experts(self) -> int | None:
-        assert self.config.moe is not None
-        return self.config.moe.num_experts
-
     def default_plans(self) -> DefaultPlans:
         return mixtral_plans(self.config)
 

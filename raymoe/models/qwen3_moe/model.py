@@ -35,10 +35,6 @@ class Qwen3MoeForCausalLM(CausalLM):
             return SparseMoeBlock(config.hidden_size, config.moe)
         return FeedForward(config.hidden_size, config.intermediate_size)
 
-    @property
-    def num_experts(self) -> int | None:
-        return self.moe.num_experts
-
     def default_plans(self) -> DefaultPlans:
         return qwen3_moe_plans(self.config, self.sparse_layers())
 
