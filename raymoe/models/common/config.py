@@ -24,7 +24,6 @@ from typing import Any
 from raymoe.models.common.activation import SWIGLU, GatedActivation
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-_DEFAULT_ROPE_THETA = 10_000.0
 SLIDING_ATTENTION, FULL_ATTENTION = "sliding_attention", "full_attention"
 
 
@@ -55,6 +54,10 @@ class ConfigDefaults:
     # (gpt-oss: each layer's layer_types entry picks sliding or full attention).
     sliding_window: str = "none"
     default_sliding_window: int | None = None
+    # RoPE where config.json leaves it out: the theta, and the whole rope dict when it has neither
+    # rope_scaling nor rope_parameters (gpt-oss: YaRN).
+    rope_theta: float = 10_000.0
+    rope_parameters: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -191,7 +194,7 @@ def parse_decoder_config(raw: Mapping[str, Any], defaults: ConfigDefaults) -> Mo
         num_key_value_heads=num_kv_heads,
         head_dim=fields.positive_int("head_dim", default=defaults.head_dim or hidden_size // num_heads),
         rms_norm_eps=fields.positive_float("rms_norm_eps", default=defaults.rms_norm_eps),
-        rope=_parse_rope(fields, max_positions),
+        rope=_parse_rope(fields, max_positions, defaults),
         max_position_embeddings=max_positions,
         tie_word_embeddings=fields.boolean("tie_word_embeddings", default=False),
         attention_bias=fields.boolean("attention_bias", default=defaults.attention_bias),
@@ -284,10 +287,10 @@ def _norm_topk_prob(fields: ConfigFields, defaults: ConfigDefaults) -> bool:
     return fields.boolean("norm_topk_prob", default=False)
 
 
-def _parse_rope(fields: ConfigFields, max_positions: int) -> RopeConfig:
+def _parse_rope(fields: ConfigFields, max_positions: int, defaults: ConfigDefaults) -> RopeConfig:
     # Hub configs spell this three ways: legacy `rope_scaling` (+ top-level `rope_theta`), or
     # transformers 5's `rope_parameters` holding the theta too. `rope_scaling` wins, as in transformers.
-    params = fields.get("rope_scaling", None) or fields.get("rope_parameters", None) or {}
+    params = fields.get("rope_scaling", None) or fields.get("rope_parameters", None) or defaults.rope_parameters or {}
     if not isinstance(params, dict):
         raise ValueError(f"config.json rope_scaling/rope_parameters must be an object, got {params!r}")
     kind = params.get("rope_type", params.get("type", "default"))
@@ -295,7 +298,7 @@ def _parse_rope(fields: ConfigFields, max_positions: int) -> RopeConfig:
         raise ValueError(
             f"config.json rope_type={kind!r} is not implemented in raymoe; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    theta = _positive_number("rope_theta", params.get("rope_theta", fields.get("rope_theta", _DEFAULT_ROPE_THETA)))
+    theta = _positive_number("rope_theta", params.get("rope_theta", fields.get("rope_theta", defaults.rope_theta)))
     if kind == "default":
         return RopeConfig(theta=theta)
     if kind == "yarn":

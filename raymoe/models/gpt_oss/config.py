@@ -25,24 +25,24 @@ GPT_OSS_DEFAULTS = ConfigDefaults(
     norm_topk_prob=True,  # a softmax over the top-k logits
     sliding_window="layer_types",
     default_sliding_window=128,
+    rope_theta=150000.0,
+    # transformers' GptOssConfig default when a config.json has no rope_parameters.
+    rope_parameters={
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
 )
-DEFAULT_ROPE_THETA = 150000.0
-# transformers' GptOssConfig default when a config.json has no rope_parameters.
-DEFAULT_ROPE = {
-    "rope_type": "yarn",
-    "factor": 32.0,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "truncate": False,
-    "original_max_position_embeddings": 4096,
-}
 SUPPORTED_QUANTIZATION = ("mxfp4",)
 
 
 def parse_gpt_oss_config(raw: Mapping[str, Any]) -> ModelConfig:
     """A gpt-oss :class:`ModelConfig` from the dict of its ``config.json``."""
     _check_quantization(raw.get("quantization_config"))
-    config = parse_decoder_config(_with_rope_default(raw), GPT_OSS_DEFAULTS)
+    config = parse_decoder_config(raw, GPT_OSS_DEFAULTS)
     fields = ConfigFields(raw, "gpt_oss")
     activation = GatedActivation(
         interleaved=True,
@@ -52,18 +52,6 @@ def parse_gpt_oss_config(raw: Mapping[str, Any]) -> ModelConfig:
     assert config.moe is not None  # GPT_OSS_DEFAULTS.has_moe
     moe = dataclasses.replace(config.moe, router_bias=True, expert_bias=True, activation=activation)
     return dataclasses.replace(config, moe=moe, attention_sinks=True)
-
-
-def _with_rope_default(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """``raw`` with gpt-oss's RoPE defaults where it leaves them out (YaRN, theta 150000)."""
-    filled = dict(raw)
-    if filled.get("rope_parameters") is None and filled.get("rope_scaling") is None:
-        filled["rope_parameters"] = {**DEFAULT_ROPE, "rope_theta": filled.get("rope_theta", DEFAULT_ROPE_THETA)}
-    key = "rope_scaling" if filled.get("rope_scaling") is not None else "rope_parameters"
-    params = filled[key]
-    if isinstance(params, dict) and "rope_theta" not in params and "rope_theta" not in filled:
-        filled[key] = {**params, "rope_theta": DEFAULT_ROPE_THETA}
-    return filled
 
 
 def _check_quantization(quantization: Any) -> None:

@@ -14,20 +14,16 @@ MIXTRAL_DEFAULTS = ConfigDefaults(
     expert_size_field="intermediate_size",
     norm_topk_prob=True,  # Mixtral always renormalises its top-k probabilities
     sliding_window="all",
+    rope_theta=1_000_000.0,
 )
-DEFAULT_ROPE_THETA = 1_000_000.0
 
 
 def parse_mixtral_config(raw: Mapping[str, Any]) -> ModelConfig:
-    """A Mixtral :class:`ModelConfig`; RoPE theta defaults to 1e6 as in transformers."""
+    """A Mixtral :class:`ModelConfig` (RoPE theta defaults to 1e6, as in transformers)."""
     jitter = raw.get("router_jitter_noise") or 0.0
     if jitter:
         raise ValueError(
             f"config.json router_jitter_noise={jitter!r}: router jitter (random input noise while training) "
             "is not implemented in raymoe; set it to 0"
         )
-    filled = dict(raw)
-    params = filled.get("rope_scaling") or filled.get("rope_parameters")
-    if "rope_theta" not in filled and not (isinstance(params, dict) and "rope_theta" in params):
-        filled["rope_theta"] = DEFAULT_ROPE_THETA
-    return parse_decoder_config(filled, MIXTRAL_DEFAULTS)
+    return parse_decoder_config(raw, MIXTRAL_DEFAULTS)
