@@ -42,12 +42,13 @@ def open_checkpoint(
 
 def reader_for(directory: str | os.PathLike[str], model: CausalLM) -> CheckpointReader:
     """A reader of ``directory`` through the hub layout ``model`` picks for the tensors the checkpoint has."""
-    files = SafetensorsFiles(directory)
+    files = SafetensorsFiles(directory)  # opened once: its tensor names pick the layout, then it is read
     try:
-        available = frozenset(files.keys())
-    finally:
+        layout = model.hub_layout(frozenset(files.keys()))
+    except BaseException:
         files.close()
-    return CheckpointReader(directory, model.hub_layout(available), model.is_ignored_hub_key)
+        raise
+    return CheckpointReader(directory, layout, model.is_ignored_hub_key, files=files)
 
 
 def check_checkpoint(directory: str | os.PathLike[str], model: CausalLM) -> None:

@@ -155,7 +155,8 @@ class _Problems:
 class CheckpointReader:
     """A checkpoint seen through a model's :data:`HubLayout`: parameters by model name, fused shapes.
 
-    ``ignored`` says which hub tensors may be present without being loaded (e.g. a tied head).
+    ``ignored`` says which hub tensors may be present without being loaded (e.g. a tied head);
+    ``files``, already open on ``directory``, is used instead of opening it again.
     Use as a context manager, or call :meth:`close`.
     """
 
@@ -164,8 +165,10 @@ class CheckpointReader:
         directory: str | os.PathLike[str],
         layout: HubLayout,
         ignored: Callable[[str], bool] = lambda key: False,
+        *,
+        files: SafetensorsFiles | None = None,
     ) -> None:
-        self.files = SafetensorsFiles(directory)
+        self.files = files if files is not None else SafetensorsFiles(directory)
         self.layout = layout
         self.ignored = ignored
 
