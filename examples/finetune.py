@@ -21,6 +21,7 @@ from typing import Any
 import raymoe
 from actors import PlacementError, RankError
 from raymoe.checkpoint import resolve_config_file
+from raymoe.driver.batch import check_input_ids
 from raymoe.models import ModelConfig, load_model_config
 
 EXAMPLES = Path(__file__).resolve().parent
@@ -147,24 +148,19 @@ def prepare_model(args: argparse.Namespace) -> tuple[str, raymoe.TextTokenizer |
     return args.model, raymoe.load_tokenizer(args.model)
 
 
-def check_model_fits(model: str, seq_len: int, config: raymoe.TrainerConfig) -> ModelConfig:
-    """The sequence-length and load-balancing rules, from config.json alone: before any data is read."""
+def check_model_fits(model: str, config: raymoe.TrainerConfig) -> ModelConfig:
+    """The model's config.json, read once, and the load-balancing rules against it: before any data is read."""
     model_config = load_model_config(resolve_config_file(model).parent)
     config.balance_options().resolve(model_config)
+    return model_config
+
+
+def check_seq_len(seq_len: int, model_config: ModelConfig) -> None:
     max_positions = model_config.max_position_embeddings
     if seq_len > max_positions:
         raise ValueError(
             f"--seq-len={seq_len} exceeds the model's max_position_embeddings={max_positions}; use at most that"
         )
-    return model_config
-
-
-def check_token_ids(data: raymoe.PackedData, dataset: Path, vocab_size: int) -> None:
-    """Every token id of the data in the model's vocabulary (pre-tokenized data may hold any integer): before Ray."""
-    low, high = int(data.input_ids.min()), int(data.input_ids.max())
-    if low < 0 or high >= vocab_size:
-        bad = low if low < 0 else high
-        raise ValueError(f"dataset {dataset} holds token id {bad}, outside the model's vocabulary [0, {vocab_size})")
 
 
 def trainer_config(args: argparse.Namespace) -> raymoe.TrainerConfig:
@@ -193,10 +189,12 @@ def run(args: argparse.Namespace) -> raymoe.TrainSummary:
     # Everything checkable without a cluster comes first: the data, the config, the sequence length.
     config = trainer_config(args)
     model_source, tokenizer = prepare_model(args)
-    model_config = check_model_fits(model_source, args.seq_len, config)
+    model_config = check_model_fits(model_source, config)
+    check_seq_len(args.seq_len, model_config)
     data = raymoe.load_dataset(args.dataset, args.seq_len, tokenizer, text_field=args.text_field)
-    check_model_fits(model_source, data.seq_len, config)  # packed .npy rows bring their own length
-    check_token_ids(data, args.dataset, model_config.vocab_size)
+    check_seq_len(data.seq_len, model_config)  # packed .npy rows bring their own length
+    # Pre-tokenized data may hold any integer: checked here, before Ray starts, as the handle would later.
+    check_input_ids(data.input_ids, model_config.vocab_size, f"dataset {args.dataset}")
     train_data, eval_data = data.split(args.eval_fraction)
     layout = layout_of(args)
     name = EMBEDDED_MODEL if args.model is None else args.model
