@@ -92,7 +92,10 @@ def test_a_tiny_hub_family_checkpoint_fine_tunes(
         (["--router-aux-loss-coef", "-0.5"], r"router_aux_loss_coef=-0.5 must be a number >= 0"),
         (["--balance", "bias"], r"balance='bias' needs a router with a per-expert selection bias"),
         (["--seq-len", "100000000"], r"--seq-len=100000000 exceeds the model's max_position_embeddings=512"),
-        (["--dataset", "{out_of_vocab}"], r"out_of_vocab.npy must be token ids in \[0, 264\), got values in \[0, 999\]"),
+        (
+            ["--dataset", "{out_of_vocab}"],
+            r"out_of_vocab.npy must be token ids in \[0, 264\), got values in \[0, 999\]",
+        ),
         (["--dataset", "{garbage}"], r"garbage.npy is not a .npy array of token ids"),
         (["--dataset", "{latin1}"], r"latin1.jsonl line 2 is not UTF-8 text"),
     ],
