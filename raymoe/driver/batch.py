@@ -58,41 +58,47 @@ def make_global_batch(
 ) -> GlobalBatch:
     """Labels default to the inputs; positions where ``attention_mask`` is 0 take no loss.
 
-    Padding must be on the right: the models attend causally without a padding mask, so a
-    token never sees the padding after it, but would see padding placed before it.
+    Padding must be on the right: training and evaluation run the models without a padding mask
+    (generation takes one), so a token never sees the padding after it, but would see padding placed
+    before it.
     """
     ids = check_input_ids(input_ids, vocab_size)
     if labels is None:
         targets = ids.clone()
     else:
-        targets = _check_like(labels, ids, "labels")
+        targets = check_like(labels, ids, "labels")
         bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= vocab_size))
         if bool(bad.any()):
             raise ValueError(f"labels must be token ids in [0, {vocab_size}) or {IGNORE_INDEX}")
     token_mask = torch.ones_like(ids, dtype=torch.bool)
     if attention_mask is not None:
-        mask = _check_like(attention_mask, ids, "attention_mask")
+        mask = check_like(attention_mask, ids, "attention_mask")
         _check_right_padded(mask)
         targets = targets.masked_fill(mask == 0, IGNORE_INDEX)
         token_mask = mask != 0
     return GlobalBatch(ids, targets, count_label_tokens(targets), token_mask)
 
 
-def _check_like(value: object, ids: Tensor, name: str) -> Tensor:
+def check_like(value: object, ids: Tensor, name: str) -> Tensor:
+    """``value`` (labels, a mask) as an int64 CPU tensor shaped like ``ids``, or a ``ValueError`` naming it."""
     if not isinstance(value, Tensor) or tuple(value.shape) != tuple(ids.shape):
         shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
         raise ValueError(f"{name} must be a tensor shaped like input_ids {tuple(ids.shape)}, got {shape}")
     return value.detach().to("cpu", torch.int64)
 
 
-def _check_right_padded(mask: Tensor) -> None:
+def check_binary_mask(mask: Tensor) -> None:
     if bool(((mask != 0) & (mask != 1)).any()):
         raise ValueError("attention_mask must hold only 0 and 1")
+
+
+def _check_right_padded(mask: Tensor) -> None:
+    check_binary_mask(mask)
     # Right padding: along each row the mask never goes from 0 back to 1.
     if bool((mask[:, 1:] > mask[:, :-1]).any()):
         raise ValueError(
-            "attention_mask has padding before real tokens (left padding); raymoe's models take no padding mask in "
-            "attention, so pad on the right"
+            "attention_mask has padding before real tokens (left padding); training and evaluation pass no padding "
+            "mask to attention, so pad on the right"
         )
 
 

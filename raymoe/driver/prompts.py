@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from raymoe.driver.batch import check_input_ids
+from raymoe.driver.batch import check_binary_mask, check_input_ids, check_like
 from raymoe.spec.topology import Topology
 
 
@@ -73,12 +73,8 @@ def check_left_padding(attention_mask: object, ids: Tensor) -> Tensor:
 
 def check_attention_mask(attention_mask: object, ids: Tensor) -> Tensor:
     """A forward pass's mask as int64 ``[B, S]``: 0 and 1 only, padding on either side, one real token per row."""
-    if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != tuple(ids.shape):
-        shape = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
-        raise ValueError(f"attention_mask must be a tensor shaped like the ids {tuple(ids.shape)}, got {shape}")
-    mask = attention_mask.detach().to("cpu", torch.int64)
-    if bool(((mask != 0) & (mask != 1)).any()):
-        raise ValueError("attention_mask must hold only 0 and 1")
+    mask = check_like(attention_mask, ids, "attention_mask")
+    check_binary_mask(mask)
     empty = (mask.sum(dim=1) == 0).nonzero().flatten().tolist()
     if empty:
         raise ValueError(f"rows {empty} are empty (attention_mask all 0): every row needs a token")
