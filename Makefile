@@ -20,7 +20,7 @@ test-fast: $(STAMP)
 
 # The embedded default: a tiny Qwen3-MoE built locally, fine-tuned on 4 CPU ranks (see README).
 demo: $(STAMP)
-	$(BIN)/python examples/finetune.py
+	$(BIN)/python examples/finetune.py --overwrite
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

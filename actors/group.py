@@ -10,11 +10,23 @@
 Any rank's exception, or a rank actor dying, ends the call at once with one
 :class:`RankError` naming the rank, its coordinates, the function and the remote traceback;
 the group is then shut down, since the surviving ranks may be stuck in a collective.
+
+A call that hangs is caught by the driver's own watchdog: once it has run for ``collective_timeout_s``,
+every few seconds the driver asks each rank for its progress (answered from a second thread of the
+actor). When a rank does not answer (a frozen process) or ranks have waited in one collective for the
+timeout, it raises :class:`RankHangError` naming the ranks the others wait for, their coordinates, the
+sub-mesh and the collective (:mod:`actors.hang`), and frees every actor and the placement group. A rank
+whose own collective timed out first is diagnosed the same way before the error is raised.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import re
+import signal
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -23,12 +35,17 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.cluster import track_world
+from actors.hang import Diagnosis, diagnose
 from actors.placement import Placement, PlacementRequest, check_fits, cluster_nodes, node_block, place
-from actors.rank import RankActor, RankFailure
-from raymoe.rank.context import Backend, Rendezvous, use_layout
+from actors.rank import CONCURRENCY_GROUPS, RankActor, RankFailure
+from raymoe.rank.context import DEFAULT_COLLECTIVE_TIMEOUT_S, Backend, Rendezvous, use_layout
+from raymoe.rank.progress import RankProgress
 from raymoe.spec.topology import Topology
 
 logger = logging.getLogger(__name__)
+
+PROGRESS_ANSWER_S = 5.0  # how long a rank gets to answer a progress request before it counts as frozen
+_TIMEOUT_TEXT = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
 
 
 class RankError(RuntimeError):
@@ -41,6 +58,15 @@ class RankError(RuntimeError):
         self.remote_traceback = remote_traceback
 
 
+class RankHangError(RankError):
+    """A call made no progress for the collective timeout; ``diagnosis`` names the ranks the others waited for
+    (``diagnosis.frozen``: did not answer; ``diagnosis.absent``: never entered the collective)."""
+
+    def __init__(self, message: str, rank: int, function: str, remote_traceback: str, diagnosis: Diagnosis) -> None:
+        super().__init__(message, rank, function, remote_traceback)
+        self.diagnosis = diagnosis
+
+
 @dataclass(frozen=True)
 class GroupOptions:
     """How ranks are placed and how long the runtime waits before calling something stuck."""
@@ -49,17 +75,21 @@ class GroupOptions:
     cpus_per_rank: float = 1.0
     backend: Backend | None = None
     placement_timeout_s: float = 120.0
-    collective_timeout_s: float = 1800.0
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
 
 
 class RayRankGroup:
     """One Ray actor per rank of a world; see the module docstring for the life cycle."""
 
-    def __init__(self, world_size: int, placement: Placement, actors: list[Any]) -> None:
+    def __init__(
+        self, world_size: int, placement: Placement, actors: list[Any], timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+    ) -> None:
         self._world_size = world_size
         self.topology: Topology | None = None  # the layout in use, for naming ranks in errors
         self._placement: Placement | None = placement
         self._actors = actors
+        self._timeout_s = timeout_s
+        self._processes: list[tuple[str, int]] = []  # (node id, pid) of each rank, to make sure they end
 
     @classmethod
     def create(cls, world_size: int, options: GroupOptions, *, block: int = 1) -> RayRankGroup:
@@ -68,7 +98,7 @@ class RayRankGroup:
         request = PlacementRequest(world_size, options.use_gpu, options.cpus_per_rank, block)
         check_fits(request, cluster_nodes())
         placement = place(request, options.placement_timeout_s)
-        actor_class = ray.remote(RankActor)
+        actor_class = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(RankActor)  # type: ignore[call-overload]
         actors = [
             actor_class.options(
                 num_cpus=options.cpus_per_rank,
@@ -77,7 +107,7 @@ class RayRankGroup:
             ).remote()
             for bundle in placement.bundle_of_rank
         ]
-        group = cls(world_size, placement, actors)
+        group = cls(world_size, placement, actors, options.collective_timeout_s)
         track_world(group)
         try:
             group._join(options)
@@ -125,6 +155,7 @@ class RayRankGroup:
             for rank in range(self._world_size)
         ]
         self._gather("setup", [actor.setup.remote(r) for actor, r in zip(self._actors, meeting, strict=True)])
+        self._processes = ray.get([actor.process_id.remote() for actor in self._actors])
 
     # --- fan-out ---------------------------------------------------------------------------------
 
@@ -159,17 +190,74 @@ class RayRankGroup:
         rank_of_ref = {ref: rank for ref, rank in zip(refs, ranks, strict=True)}
         results: dict[int, Any] = {}
         pending = list(refs)
+        started = time.monotonic()
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=self._poll_s)
+            if not ready:
+                self._check_progress(function, started)
+                continue
             rank = rank_of_ref[ready[0]]
             try:
                 value = ray.get(ready[0])
             except ray.exceptions.RayError as exc:
                 self._fail(rank, function, type(exc).__name__, _first_line(exc), str(exc))
             if isinstance(value, RankFailure):
+                if _TIMEOUT_TEXT.search(value.message):  # its collective timed out: name whom it waited for
+                    self._fail_hung(function, time.monotonic() - started, (rank, value))
                 self._fail(rank, function, value.error_type, value.message, value.traceback)
             results[rank] = value
         return [results[rank] for rank in ranks]
+
+    # --- hangs -----------------------------------------------------------------------------------
+
+    @property
+    def _poll_s(self) -> float:
+        return min(5.0, max(self._timeout_s / 4, 0.5))
+
+    def _check_progress(self, function: str, started: float) -> None:
+        """After the timeout, fail the call when a rank stopped answering or ranks wait in one collective too long."""
+        waited = time.monotonic() - started
+        if waited < self._timeout_s or not self._processes:  # not before every rank has joined (slow starts)
+            return
+        reports = self._progress_reports()
+        frozen = any(report is None for report in reports.values())
+        stuck = any(g.waiting_s >= self._timeout_s for r in reports.values() if r is not None for g in r.waiting_in())
+        if frozen or stuck:
+            self._fail_hung(function, waited, reports=reports)
+
+    def _progress_reports(self) -> dict[int, RankProgress | None]:
+        """Every rank's progress; None for a rank that did not answer within ``PROGRESS_ANSWER_S``."""
+        refs = {rank: actor.progress.remote() for rank, actor in enumerate(self._actors)}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=PROGRESS_ANSWER_S)
+        answered = set(ready)
+        reports: dict[int, RankProgress | None] = {}
+        for rank, ref in refs.items():
+            try:
+                reports[rank] = ray.get(ref) if ref in answered else None
+            except ray.exceptions.RayError:
+                reports[rank] = None
+        return reports
+
+    def _fail_hung(
+        self,
+        function: str,
+        waited: float,
+        reported: tuple[int, RankFailure] | None = None,
+        reports: dict[int, RankProgress | None] | None = None,
+    ) -> NoReturn:
+        diagnosis = diagnose(function, reports or self._progress_reports(), self.topology, waited)
+        message = diagnosis.message
+        traceback = ""
+        if reported is not None:
+            rank, failure = reported
+            label = self.topology.ranks[rank].label() if self.topology is not None else f"rank {rank}"
+            message += f" {label} reported: {failure.error_type}: {_first_line_of(failure.message)}"
+            traceback = failure.traceback
+        message += " Every rank actor and the placement group were released."
+        logger.error("%s", message)
+        self.shutdown()
+        culprit = diagnosis.culprits[0] if diagnosis.culprits else -1
+        raise RankHangError(message, culprit, function, traceback, diagnosis)
 
     def _fail(self, rank: int, function: str, error_type: str, message: str, remote_traceback: str) -> NoReturn:
         label = self.topology.ranks[rank].label() if self.topology is not None else f"rank {rank}"
@@ -214,6 +302,37 @@ class RayRankGroup:
             placement.remove()
         except Exception as exc:  # Ray already shut down (e.g. at interpreter exit)
             logger.debug("ignoring error while removing the placement group: %s", exc)
+        _end_local_processes(self._processes)
+
+
+def _end_local_processes(processes: Sequence[tuple[str, int]]) -> None:
+    """SIGKILL what is left of this node's rank processes after ``ray.kill`` (a stopped process may outlive it)."""
+    try:
+        here = ray.get_runtime_context().get_node_id()
+    except Exception:  # Ray is gone: nothing to ask
+        return
+    deadline = time.monotonic() + 5.0
+    for node, pid in processes:
+        if node != here:
+            continue
+        while _exists(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _exists(pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+def _first_line_of(text: str) -> str:
+    text = text.strip()
+    return text.splitlines()[0] if text else ""
 
 
 def _first_line(exc: BaseException) -> str:

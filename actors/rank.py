@@ -4,11 +4,16 @@ The driver never calls arbitrary methods on it: it sends a function and its argu
 ``run``; the function receives this rank's :class:`~raymoe.rank.context.RankContext` first. A
 failure comes back as a :class:`RankFailure` value carrying the remote traceback, so the
 driver can name the rank and stop the others without waiting on their collectives.
+
+``progress`` runs in a concurrency group of its own (a second thread), so it answers while ``run`` waits
+in a collective: the driver's hang diagnosis (:mod:`actors.hang`). A frozen process answers nothing.
 """
 
 from __future__ import annotations
 
+import os
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +22,10 @@ from typing import Any, TypeVar
 import ray
 
 from raymoe.rank.context import RankContext, Rendezvous, join_world, leave_world
+from raymoe.rank.progress import CallRecord, RankProgress, progress_report
+
+MONITOR = "monitor"  # the concurrency group of progress(): answered while run() blocks
+CONCURRENCY_GROUPS = {MONITOR: 1}
 
 T = TypeVar("T")
 
@@ -35,6 +44,8 @@ class RankActor:
 
     def __init__(self) -> None:
         self._ctx: RankContext | None = None
+        self._call = CallRecord()
+        self._rank = -1
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the process-group store."""
@@ -47,13 +58,32 @@ class RankActor:
         return self._guarded(lambda: self._setup(rendezvous))
 
     def _setup(self, rendezvous: Rendezvous) -> None:
-        self._ctx = join_world(rendezvous)
+        self._rank = rendezvous.rank
+        self._call.function, self._call.since = "join_world", time.monotonic()
+        try:
+            self._ctx = join_world(rendezvous)
+        finally:
+            self._call.function = None
 
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._ctx is None:
             return RankFailure("RuntimeError", "rank used before setup", "")
         ctx = self._ctx
-        return self._guarded(lambda: fn(ctx, *args, **kwargs))
+        self._call.function, self._call.since = getattr(fn, "__qualname__", repr(fn)), time.monotonic()
+        try:
+            return self._guarded(lambda: fn(ctx, *args, **kwargs))
+        finally:
+            self._call.function = None
+
+    @ray.method(concurrency_group=MONITOR)
+    def progress(self) -> RankProgress:
+        """What this rank runs now and where it stands in each process group (answered while ``run`` blocks)."""
+        return progress_report(self._rank, self._call)
+
+    @ray.method(concurrency_group=MONITOR)
+    def process_id(self) -> tuple[str, int]:
+        """This rank's node and process id (to make sure a frozen process is gone)."""
+        return ray.get_runtime_context().get_node_id(), os.getpid()
 
     def teardown(self) -> None:
         leave_world()

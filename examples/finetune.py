@@ -3,12 +3,21 @@
     python examples/finetune.py                 the embedded default: a tiny Qwen3-MoE built here (no network),
                                                 trained on examples/data/corpus.txt over 4 CPU ranks
     python examples/finetune.py --model Qwen/Qwen3-30B-A3B --dataset data.jsonl --tp-size 8 ...
+    python examples/finetune.py --dataset examples/data/chat.jsonl     chat data: rendered with the model's chat
+                                                template, loss on the assistant's answers only, packed with
+                                                each conversation attending only to itself
+    python examples/finetune.py --model DIR --dataset HuggingFaceH4/no_robots --dataset-split train   a hub dataset
     ray job submit --working-dir . -- python examples/finetune.py ...      on the cluster the job runs in
+    python examples/finetune.py --save-state-every 20 --resume     an auto-restarting job: each launch goes on
+                                                from the newest training state in --output-dir (the first starts)
 
 The driver connects to the Ray cluster it runs in (``RAY_ADDRESS``, as ``ray job submit`` sets it;
 a cluster started on this machine; else a new local instance). Bad input (a missing or empty
 dataset, a sequence longer than the model allows, sizes that do not fit the cluster) ends the
-run with one error line before any training step.
+run with one error line before any training step, as does an --output-dir that holds an earlier run when
+neither --resume (continue it) nor --overwrite (start over) is given: checked before the cluster starts.
+So does bad chat data (a conversation without an assistant turn, an unknown role, one longer than --seq-len
+without --overlong truncate|drop, conversations for a checkpoint without a chat template), naming file and row.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import raymoe
 from actors import PlacementError, RankError
 from raymoe.checkpoint import resolve_config_file
 from raymoe.driver.batch import check_input_ids
+from raymoe.driver.data import load_chat_template
 from raymoe.models import ModelConfig, load_model_config
 
 EXAMPLES = Path(__file__).resolve().parent
@@ -45,12 +55,57 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dataset",
         type=Path,
         default=DEFAULT_DATASET,
-        help=".jsonl, text, or pre-tokenized .npy (default: %(default)s)",
+        help=".jsonl or .parquet (text, or chat: 'messages' or 'prompt'/'completion'), a text file, pre-tokenized "
+        ".npy, or a Hugging Face dataset (hub id or local directory; needs raymoe[datasets]) (default: %(default)s)",
+    )
+    data.add_argument("--dataset-split", default="train", help="split of a Hugging Face dataset (default: %(default)s)")
+    data.add_argument("--dataset-config", help="configuration (subset) name of a Hugging Face dataset")
+    data.add_argument(
+        "--text-field", default="text", help="field holding a document's text in records (default: %(default)s)"
     )
     data.add_argument(
-        "--text-field", default="text", help="field holding the text in .jsonl records (default: %(default)s)"
+        "--messages-field", default="messages", help="field holding a conversation's messages (default: %(default)s)"
+    )
+    data.add_argument(
+        "--prompt-field", default="prompt", help="prompt field of instruction pairs (default: %(default)s)"
+    )
+    data.add_argument(
+        "--completion-field", default="completion", help="completion field of instruction pairs (default: %(default)s)"
+    )
+    data.add_argument(
+        "--chat-template",
+        type=Path,
+        help="a .jinja chat template (or a tokenizer_config.json holding one) to use instead of the checkpoint's",
+    )
+    data.add_argument(
+        "--loss-on",
+        choices=("assistant", "all"),
+        default="assistant",
+        help="chat data: train on the assistant's answers (and their end token) only, or on every token "
+        "(default: %(default)s)",
+    )
+    data.add_argument(
+        "--packing",
+        choices=("document", "plain"),
+        default="document",
+        help="document: each document/conversation attends only to itself, positions restart at each; plain: "
+        "attention crosses documents in a row (default: %(default)s)",
+    )
+    data.add_argument(
+        "--overlong",
+        choices=("error", "truncate", "drop"),
+        default="error",
+        help="a conversation longer than --seq-len: stop with an error naming it, keep its first --seq-len "
+        "tokens, or leave it out (default: %(default)s)",
     )
     data.add_argument("--seq-len", type=int, default=128, help="tokens per packed sequence (default: %(default)s)")
+    data.add_argument("--num-proc", type=int, help="tokenizing processes (default: one per CPU for large data)")
+    data.add_argument(
+        "--cache-dir",
+        type=Path,
+        help="where tokenized data is cached by content hash (default: $RAYMOE_CACHE_DIR or ~/.cache/raymoe/tokenized)",
+    )
+    data.add_argument("--no-cache", action="store_true", help="tokenize afresh and cache nothing")
     data.add_argument(
         "--eval-fraction", type=float, default=0.1, help="share of sequences held out for eval (default: %(default)s)"
     )
@@ -63,6 +118,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     layout.add_argument("--fsdp-size", type=int, help="FSDP shard degree")
     layout.add_argument("--ep-size", type=int, help="expert-parallel degree")
     layout.add_argument("--dp-replicate-size", type=int, help="HSDP replicas (nodes)")
+    layout.add_argument(
+        "--activation-checkpointing",
+        choices=("none", "full", "selective"),
+        default="none",
+        help="recompute each decoder layer's activations in backward: all (full) or all but matmul and attention "
+        "outputs (selective); less memory, same numbers (default: %(default)s)",
+    )
     layout.add_argument(
         "--cpus-per-rank", type=float, default=1.0, help="CPUs reserved per rank actor (default: %(default)s)"
     )
@@ -123,26 +185,68 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="checkpoint, metrics, plot (default: %(default)s)",
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    state = parser.add_argument_group("training state and resuming")
+    state.add_argument(
+        "--save-state-every",
+        type=int,
+        default=0,
+        help="steps between training states (weights, optimizer, RNG, data position) in OUTPUT_DIR/states/step-N, "
+        "what --resume continues from; 0: none (default: %(default)s)",
+    )
+    state.add_argument(
+        "--keep-last",
+        type=int,
+        default=2,
+        help="training states kept (older ones removed after each save); 0 keeps all (default: %(default)s)",
+    )
+    state.add_argument(
+        "--async-save", action="store_true", help="write each state while training goes on (the next save waits)"
+    )
+    start = state.add_mutually_exclusive_group()
+    start.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --output-dir from its newest training state: the step, the learning-rate "
+        "schedule, the data order and position; metrics.jsonl is appended to. With no state yet it starts at step 0 "
+        "(so an auto-restarting job can always pass it). The layout may differ from the saved run's",
+    )
+    start.add_argument(
+        "--resume-from", type=Path, metavar="STATE_DIR", help="continue from this training state directory instead"
+    )
+    start.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in an --output-dir that holds an earlier run: its states are removed, its metrics "
+        "replaced and its checkpoint overwritten (without --resume or --overwrite such a directory is refused)",
+    )
     train.add_argument("--debug", action="store_true", help="print a failing rank's whole traceback")
     return parser.parse_args(argv)
 
 
-def layout_of(args: argparse.Namespace) -> dict[str, int]:
-    """DEFAULT_LAYOUT with the sizes given on the command line replacing its entries."""
+def layout_of(args: argparse.Namespace) -> dict[str, int | str]:
+    """DEFAULT_LAYOUT with the sizes given on the command line replacing its entries (and activation
+    checkpointing, when asked for)."""
     given = {
         "tp_size": args.tp_size,
         "fsdp_size": args.fsdp_size,
         "ep_size": args.ep_size,
         "dp_replicate_size": args.dp_replicate_size,
     }
-    return {**DEFAULT_LAYOUT, **{name: size for name, size in given.items() if size is not None}}
+    layout: dict[str, int | str] = {
+        **DEFAULT_LAYOUT,
+        **{name: size for name, size in given.items() if size is not None},
+    }
+    if args.activation_checkpointing != "none":
+        layout["activation_checkpointing"] = args.activation_checkpointing
+    return layout
 
 
 def prepare_model(args: argparse.Namespace) -> tuple[str, raymoe.TextTokenizer | None]:
     """The checkpoint to load and its tokenizer; the embedded tiny model is built under ``--output-dir``."""
     if args.model is None:
         path = raymoe.build_tiny_checkpoint(args.output_dir / "base-model", seed=args.seed)
-        return str(path), raymoe.TextTokenizer.byte_level()
+        return str(path), raymoe.load_tokenizer(path)  # byte-level, with its ChatML template
     if args.dataset.suffix == ".npy":
         return args.model, None  # pre-tokenized data needs no tokenizer
     return args.model, raymoe.load_tokenizer(args.model)
@@ -182,16 +286,27 @@ def trainer_config(args: argparse.Namespace) -> raymoe.TrainerConfig:
         save_every=args.save_every or None,
         seed=args.seed,
         progress=not args.no_progress,
+        save_state_every=args.save_state_every or None,
+        keep_last=args.keep_last or None,
+        async_save=args.async_save,
+        resume_from="latest" if args.resume else args.resume_from,
+        overwrite=args.overwrite,
     )
 
 
 def run(args: argparse.Namespace) -> raymoe.TrainSummary:
-    # Everything checkable without a cluster comes first: the data, the config, the sequence length.
+    # Everything checkable without a cluster comes first: the config, the output directory (an earlier run there
+    # is resumed, overwritten or refused), the data, the sequence length.
     config = trainer_config(args)
+    resume = config.check_output_dir()
+    if resume is not None:
+        print(f"resuming from {resume}")
     model_source, tokenizer = prepare_model(args)
+    if args.chat_template is not None and tokenizer is not None:  # trained with it, saved with the checkpoint
+        tokenizer = tokenizer.with_chat_template(load_chat_template(args.chat_template, tokenizer.special_tokens))
     model_config = check_model_fits(model_source, config)
     check_seq_len(args.seq_len, model_config)
-    data = raymoe.load_dataset(args.dataset, args.seq_len, tokenizer, text_field=args.text_field)
+    data = load_data(args, tokenizer)
     check_seq_len(data.seq_len, model_config)  # packed .npy rows bring their own length
     # Pre-tokenized data may hold any integer: checked here, before Ray starts, as the handle would later.
     check_input_ids(data.input_ids, model_config.vocab_size, f"dataset {args.dataset}")
@@ -199,6 +314,8 @@ def run(args: argparse.Namespace) -> raymoe.TrainSummary:
     layout = layout_of(args)
     name = EMBEDDED_MODEL if args.model is None else args.model
     print(f"model {name}, layout {layout}, {data.num_sequences} sequences of {data.seq_len} tokens from {args.dataset}")
+    if data.report is not None:
+        print(f"data: {data.report.summary()}")
     with raymoe.from_pretrained(
         model_source, distributed_config=layout, dtype=args.dtype, cpus_per_rank=args.cpus_per_rank
     ) as model:
@@ -207,16 +324,39 @@ def run(args: argparse.Namespace) -> raymoe.TrainSummary:
         return trainer.fit()
 
 
+def load_data(args: argparse.Namespace, tokenizer: raymoe.TextTokenizer | None) -> raymoe.PackedData:
+    """The dataset, tokenized (chat data rendered with the chat template) and packed as the options say."""
+    return raymoe.load_dataset(
+        args.dataset,
+        args.seq_len,
+        tokenizer,
+        text_field=args.text_field,
+        messages_field=args.messages_field,
+        prompt_field=args.prompt_field,
+        completion_field=args.completion_field,
+        packing=args.packing,
+        loss_on=args.loss_on,
+        overlong=args.overlong,
+        split=args.dataset_split,
+        dataset_config=args.dataset_config,
+        cache_dir=False if args.no_cache else args.cache_dir,
+        num_proc=args.num_proc,
+        progress=not args.no_progress,
+    )
+
+
 def print_summary(summary: raymoe.TrainSummary) -> None:
     def loss(value: float | None) -> str:
         return f"{value:.3f}" if value is not None else "-"
 
     lines: list[tuple[str, Any]] = [
         ("steps", summary.steps),
+        *([("resumed", summary.resumed_from)] if summary.resumed_from is not None else []),
         ("train loss", f"{loss(summary.first_loss)} -> {loss(summary.last_loss)} (first -> last step)"),
         ("eval loss", f"{loss(summary.eval_loss_before)} -> {loss(summary.eval_loss_after)} (before -> after)"),
         ("throughput", f"{summary.tokens_per_s:.0f} label tokens/s ({summary.num_tokens} tokens)"),
         ("checkpoint", summary.checkpoint or "not saved"),
+        ("state", summary.state or "not saved"),
         ("metrics", summary.metrics_file),
         ("plot", summary.plot_file or "-"),
     ]
@@ -236,6 +376,11 @@ def main(argv: list[str] | None = None) -> int:
         detail = str(exc) if args.debug else f"{str(exc).splitlines()[0]} (--debug shows the rank's traceback)"
         print(f"finetune.py: rank failure: {detail}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as exc:
+        # Ctrl-C / SIGTERM: the Trainer stopped at a step boundary (and saved the state), or a second one stopped at
+        # once; leaving `with from_pretrained(...)` has freed every rank either way.
+        print(f"finetune.py: interrupted: {exc or 'stopped at once'}", file=sys.stderr)
+        return 130
     print_summary(summary)
     return 0
 

@@ -8,10 +8,11 @@ is the only code that imports ``ray``.
 
 from raymoe.api import from_pretrained, start_world
 from raymoe.checkpoint import load_model, save_model
+from raymoe.checkpoint.export import export_state
 from raymoe.driver.data import PackedData, TextTokenizer, load_dataset, load_tokenizer
 from raymoe.driver.handle import DistributedModel
 from raymoe.driver.tiny import build_tiny_checkpoint
-from raymoe.driver.trainer import Trainer, TrainerConfig, TrainSummary
+from raymoe.driver.trainer import Trainer, TrainerConfig, TrainingInterrupted, TrainSummary
 from raymoe.models.common.generation import generate
 from raymoe.parallel.styles import ExpertRole, ParallelStyle, register
 from raymoe.spec.config import DistributedConfig
@@ -30,8 +31,10 @@ __all__ = [
     "TrainSummary",
     "Trainer",
     "TrainerConfig",
+    "TrainingInterrupted",
     "build_tiny_checkpoint",
     "build_topology",
+    "export_state",
     "from_pretrained",
     "generate",
     "load_dataset",

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from raymoe.driver.handle import DistributedModel
-from raymoe.rank.context import Backend
+from raymoe.rank.context import DEFAULT_COLLECTIVE_TIMEOUT_S, Backend
 from raymoe.spec.config import DistributedConfig
 from raymoe.spec.launch import as_config, prepare_launch
 
@@ -36,7 +36,7 @@ def from_pretrained(
     cpus_per_rank: float = 1.0,
     backend: Backend | None = None,
     placement_timeout_s: float = 120.0,
-    collective_timeout_s: float = 1800.0,
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
 ) -> DistributedModel:
     """Load ``name_or_path`` (a local directory or a hub id) sharded over Ray rank actors.
 
@@ -51,6 +51,11 @@ def from_pretrained(
     starting new ones: the layout must have ``world.world_size`` ranks, and the handle's
     ``shutdown`` then unloads the model and leaves the ranks for the next ``from_pretrained``.
     The placement options (``use_gpu`` ... ``collective_timeout_s``) belong to the world then.
+
+    ``collective_timeout_s`` (default 300) bounds how long any collective may wait, on every process group
+    (world and each sub-mesh); past it, the driver names the ranks the others wait for (a frozen process, a
+    rank that never arrived), their coordinates, the sub-mesh and the collective, and frees every rank
+    (``actors.RankHangError``). Raise it for a step or a shard read slower than that.
     """
     config = as_config(distributed_config)
     if world is not None:
@@ -78,7 +83,9 @@ def from_pretrained(
         spec.topology.world_size, use_gpu, cpus_per_rank, backend, placement_timeout_s, collective_timeout_s
     )
     group = RayRankGroup.for_topology(spec.topology, options)
-    return DistributedModel.launch(spec, group, owns_group=True)
+    return DistributedModel.launch(
+        spec, group, owns_group=True, restart=lambda: RayRankGroup.for_topology(spec.topology, options)
+    )
 
 
 def start_world(
@@ -89,7 +96,7 @@ def start_world(
     cpus_per_rank: float = 1.0,
     backend: Backend | None = None,
     placement_timeout_s: float = 120.0,
-    collective_timeout_s: float = 1800.0,
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
 ) -> RayRankGroup:
     """Start ``world_size`` rank actors in one process group, to load models onto one after another.
 

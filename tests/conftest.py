@@ -6,9 +6,12 @@ style tests, and tiny random transformers checkpoints as the numerical reference
 
 from __future__ import annotations
 
+import atexit
 import copy
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,14 @@ import torch
 
 # Tests never reach the network: hub code paths read local files only.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# Tokenized datasets (and `datasets`' Arrow files) are cached in a directory of this session, removed at exit,
+# not in the user's ~/.cache.
+if "RAYMOE_CACHE_DIR" not in os.environ:
+    _CACHE = tempfile.mkdtemp(prefix="raymoe-test-cache-")
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+    os.environ["RAYMOE_CACHE_DIR"] = os.path.join(_CACHE, "tokenized")
+    os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(_CACHE, "datasets"))
 
 RAY_TEST_CPUS = 16  # logical CPUs: the shared worlds below plus 8-rank groups of their own, on 2 cores
 WORLD_CPUS_PER_RANK = 0.25  # the shared worlds' 15 ranks hold 3.75 logical CPUs, leaving 12 for other groups
@@ -260,6 +271,105 @@ TINY_CONFIGS: dict[str, Callable[[Any], Any]] = {
         num_experts_per_tok=3,
         sliding_window=6,
     ),
+    # Qwen2-MoE: 8 experts, top-3, GQA 2, head_dim 6, q/k/v biases (none on o_proj), a gated shared expert, the
+    # middle layer dense (mlp_only_layers), untied head.
+    "qwen2moe_e8_k3_gqa2_shared": lambda transformers: transformers.Qwen2MoeConfig(
+        vocab_size=96,
+        max_position_embeddings=256,
+        hidden_size=36,
+        intermediate_size=40,
+        moe_intermediate_size=10,
+        shared_expert_intermediate_size=12,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=6,
+        num_experts=8,
+        num_experts_per_tok=3,
+        mlp_only_layers=[1],
+    ),
+    # GLM-4.5: sigmoid routing (one expert group, as on the hub; DeepSeek-V3's configs below limit groups), top-3,
+    # a correction bias (set by make_hf_model), routed scaling, two shared experts, the first layer dense, q/k/v
+    # biases, q/k norms, RoPE on half of each head (the family default), untied head.
+    "glm4moe_e8_k3_shared2_qknorm": lambda transformers: transformers.Glm4MoeConfig(
+        vocab_size=96,
+        max_position_embeddings=256,
+        hidden_size=36,
+        intermediate_size=40,
+        moe_intermediate_size=10,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=8,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        routed_scaling_factor=1.7,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        use_qk_norm=True,
+        attention_bias=True,
+    ),
+    # DeepSeek-V3: MLA with a query rank, interleaved rotary channels and YaRN (mscale / mscale_all_dim, so the
+    # softmax scale changes too); sigmoid routing over 4 groups of 2 (best 2), top-3, correction bias, scaling
+    # 2.5, two shared experts, the first layer dense, untied head.
+    "deepseekv3_e8_k3_groups_qlora_yarn": lambda transformers: transformers.DeepseekV3Config(
+        vocab_size=96,
+        max_position_embeddings=256,
+        hidden_size=36,
+        intermediate_size=40,
+        moe_intermediate_size=6,
+        n_shared_experts=2,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=12,
+        kv_lora_rank=10,
+        qk_nope_head_dim=6,
+        qk_rope_head_dim=4,
+        v_head_dim=5,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.7,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+        },
+    ),
+    # DeepSeek-V3 with a plain q_proj (q_lora_rank null), biases on q_a/kv_a/o, half-split rotary channels, one
+    # expert group, no top-k renormalisation, two layers both sparse.
+    "deepseekv3_e8_k2_qproj_bias": lambda transformers: transformers.DeepseekV3Config(
+        vocab_size=96,
+        max_position_embeddings=256,
+        hidden_size=36,
+        intermediate_size=40,
+        moe_intermediate_size=6,
+        n_shared_experts=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=10,
+        qk_nope_head_dim=6,
+        qk_rope_head_dim=4,
+        v_head_dim=5,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=False,
+        first_k_dense_replace=0,
+        attention_bias=True,
+        rope_interleave=False,
+    ),
     # gpt-oss with hidden and expert sizes in whole MXFP4 blocks of 32 (the base of the quantized checkpoint).
     "gptoss_mxfp4_base": lambda transformers: transformers.GptOssConfig(
         vocab_size=96,
@@ -279,7 +389,14 @@ MXFP4_BASE = "gptoss_mxfp4_base"
 PARITY_CONFIGS = [name for name in TINY_CONFIGS if name != MXFP4_BASE]  # the base has its own test (MXFP4)
 MOE_CONFIGS = [name for name in TINY_CONFIGS if name.startswith("moe")]
 # Routed-expert families besides Qwen3-MoE (tests/models/test_families.py, tests/rank/test_families.py).
-FAMILY_MOE_CONFIGS = ["gptoss_e4_k3_gqa2_window5", "mixtral_e8_k3_gqa2_window6"]
+FAMILY_MOE_CONFIGS = [
+    "gptoss_e4_k3_gqa2_window5",
+    "mixtral_e8_k3_gqa2_window6",
+    "qwen2moe_e8_k3_gqa2_shared",
+    "glm4moe_e8_k3_shared2_qknorm",
+    "deepseekv3_e8_k3_groups_qlora_yarn",
+    "deepseekv3_e8_k2_qproj_bias",
+]
 
 
 @pytest.fixture(params=PARITY_CONFIGS)
@@ -306,6 +423,9 @@ def _make_hf_model(name: str, seed: int = 0) -> Any:
                 param.normal_(1.0, 0.1)
             elif param_name.endswith("bias"):
                 param.normal_(0.0, 0.02)
+        for buffer_name, buffer in model.named_buffers():
+            if buffer_name.endswith("e_score_correction_bias"):  # a selection bias (DeepSeek-V3, GLM-4.5)
+                buffer.normal_(0.0, 0.05)
     return model.eval()
 
 
@@ -315,7 +435,7 @@ def _load_hf_model(directory: Path) -> Any:
     # The eager experts loop is transformers' plainest definition (and its grouped_mm path fails
     # on CPU for dims that are not 16-byte multiples).
     config = json.loads((Path(directory) / "config.json").read_text())
-    routed = "num_experts" in config or "num_local_experts" in config
+    routed = any(key in config for key in ("num_experts", "num_local_experts", "n_routed_experts"))
     options = {"experts_implementation": "eager"} if routed else {}
     return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **options).eval()
 
@@ -487,3 +607,57 @@ def gpt_oss_mxfp4_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[
     }
     (quantized / "config.json").write_text(json.dumps(config, indent=2))
     return plain, quantized
+
+
+# --- block-scaled FP8 checkpoints (DeepSeek-V3, Kimi-K2), quantized here from the documented format ---------
+#
+# Each (rows x cols) block of a weight shares one float32 scale s (stored as `weight_scale_inv`); the weight is
+# stored as float8_e4m3fn q with q * s the value. Written independently of raymoe's reader.
+
+DEEPSEEK_FP8_BASE = "deepseekv3_e8_k3_groups_qlora_yarn"
+FP8_BLOCK = (2, 2)  # divides every quantized dim of the tiny model (transformers' CPU dequantization needs it)
+
+
+def _quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[R, C]`` float -> (float8_e4m3fn ``[R, C]``, float32 scales ``[R / br, C / bc]``), largest value -> 448."""
+    rows, cols = weight.shape
+    br, bc = block
+    blocks = weight.float().reshape(rows // br, br, cols // bc, bc)
+    scales = blocks.abs().amax(dim=(1, 3)) / 448.0
+    quantized = (blocks / scales[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
+    return quantized, scales
+
+
+def _fp8_quantized_name(key: str) -> bool:
+    """The tensors DeepSeek-V3's hub checkpoints hold in FP8: every projection weight of a layer (not the router)."""
+    return key.startswith("model.layers.") and key.endswith("proj.weight") and ".mlp.gate." not in key
+
+
+@pytest.fixture(scope="session")
+def deepseek_fp8_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """``(directory, dequantized)``: a tiny DeepSeek-V3 as the hub ships it (projection weights FP8 with
+    ``weight_scale_inv``, ``quantization_config.quant_method: fp8``) and the values its FP8 tensors stand for."""
+    from safetensors.torch import load_file, save_file
+
+    plain = tmp_path_factory.mktemp("deepseek_fp8_plain")
+    _make_hf_model(DEEPSEEK_FP8_BASE).save_pretrained(plain)
+    quantized = tmp_path_factory.mktemp("deepseek_fp8_quantized")
+    tensors, dequantized = {}, {}
+    for key, tensor in load_file(plain / "model.safetensors").items():
+        if _fp8_quantized_name(key):
+            q, scales = _quantize_fp8_blocks(tensor, FP8_BLOCK)
+            tensors[key], tensors[f"{key}_scale_inv"] = q, scales
+            expanded = scales.repeat_interleave(FP8_BLOCK[0], 0).repeat_interleave(FP8_BLOCK[1], 1)
+            dequantized[key] = q.float() * expanded
+        else:
+            tensors[key] = tensor
+    save_file(tensors, quantized / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((plain / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(FP8_BLOCK),
+    }
+    (quantized / "config.json").write_text(json.dumps(config, indent=2))
+    return quantized, dequantized

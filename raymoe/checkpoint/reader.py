@@ -17,8 +17,11 @@ A transposed part is read with the block's last two ranges swapped; an MXFP4 par
     down_proj [E, H, I] = Mxfp4(blocks [E, H, I/32, 16], scales [E, H, I/32]), block (.., .., 40..70)
         blocks[.., .., 1:3, :], scales[.., .., 1:3] -> 64 values (columns 32..96) -> columns 40..70
 
+A block-scaled FP8 part reads the fp8 block and the scales of the (128 x 128) blocks it overlaps, and
+multiplies in float32 (:mod:`raymoe.checkpoint.fp8`).
+
 Tensor-parallel and expert-parallel loaders read each rank's shard this way; ``bytes_read``
-counts the bytes taken from the files (uint8 bytes for MXFP4).
+counts the bytes taken from the files (uint8 bytes for MXFP4, one byte a value plus scales for FP8).
 """
 
 from __future__ import annotations
@@ -36,8 +39,18 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
+from raymoe.checkpoint.fp8 import DEQUANTIZED_DTYPE, FP8_DTYPE, SCALE_DTYPES, dequantize_fp8_block
 from raymoe.checkpoint.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK, dequantize_mxfp4
-from raymoe.models.common.hub_layout import Concat, HubKeys, HubLayout, Mxfp4, Stack, Transpose, hub_key_names
+from raymoe.models.common.hub_layout import (
+    Concat,
+    Fp8Block,
+    HubKeys,
+    HubLayout,
+    Mxfp4,
+    Stack,
+    Transpose,
+    hub_key_names,
+)
 
 SAFETENSORS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -254,6 +267,8 @@ class CheckpointReader:
             return (*shape[:-2], shape[-1], shape[-2])
         if isinstance(keys, Mxfp4):
             return self._mxfp4_shape(keys)
+        if isinstance(keys, Fp8Block):
+            return self._fp8_shape(keys)
         shapes = [self._shape(part) for part in keys.parts]
         if isinstance(keys, Stack):
             if any(shape != shapes[0] for shape in shapes):
@@ -278,6 +293,19 @@ class CheckpointReader:
             )
         return (*scales[:-1], scales[-1] * BLOCK_SIZE)
 
+    def _fp8_shape(self, keys: Fp8Block) -> tuple[int, ...]:
+        """``weight [R, C]`` with ``scale_inv [ceil(R / br), ceil(C / bc)]``."""
+        weight, scales = self.files.info(keys.weight).shape, self.files.info(keys.scale_inv).shape
+        if len(weight) != 2:
+            raise _LayoutMismatch(f"FP8 weight {keys.weight} is {weight}, expected 2 dims")
+        want = tuple(-(-size // block) for size, block in zip(weight, keys.block, strict=True))
+        if scales != want:
+            raise _LayoutMismatch(
+                f"FP8 scales {keys.scale_inv} are {scales}, expected {want} (one per {keys.block} block of "
+                f"{keys.weight} {weight})"
+            )
+        return weight
+
     def _dtype_name(self, keys: HubKeys) -> str:
         """The safetensors dtype name of the parameter ``keys`` assembles (``BF16`` for MXFP4)."""
         if isinstance(keys, str):
@@ -289,6 +317,14 @@ class CheckpointReader:
                 if self.files.info(key).dtype != "U8":
                     raise _LayoutMismatch(f"MXFP4 tensor {key} is stored as {self.files.info(key).dtype}, expected U8")
             return MXFP4_DTYPE
+        if isinstance(keys, Fp8Block):
+            weight, scale = self.files.info(keys.weight).dtype, self.files.info(keys.scale_inv).dtype
+            if weight != FP8_DTYPE or scale not in SCALE_DTYPES:
+                raise _LayoutMismatch(
+                    f"FP8 tensors {keys.weight} / {keys.scale_inv} are stored as {weight} / {scale}, expected "
+                    f"{FP8_DTYPE} / one of {', '.join(SCALE_DTYPES)}"
+                )
+            return DEQUANTIZED_DTYPE
         dtypes = {self._dtype_name(part) for part in keys.parts}
         if len(dtypes) > 1:
             raise _LayoutMismatch(f"parts stored in different dtypes {sorted(dtypes)}")
@@ -316,6 +352,8 @@ class CheckpointReader:
             self._fill(keys.part, (*block[:-2], block[-1], block[-2]), out.transpose(-2, -1))
         elif isinstance(keys, Mxfp4):
             self._fill_mxfp4(keys, block, out)
+        elif isinstance(keys, Fp8Block):
+            self._fill_fp8(keys, block, out)
         elif isinstance(keys, Stack):
             (start, stop), inner = block[0], block[1:]
             for row, part in enumerate(keys.parts[start:stop]):
@@ -344,6 +382,14 @@ class CheckpointReader:
         scales = self.files.read(keys.scales, (*block[:-1], groups))
         values = dequantize_mxfp4(blocks, scales, dtype=out.dtype)
         out.copy_(values.narrow(-1, c0 - groups[0] * BLOCK_SIZE, c1 - c0))
+
+    def _fill_fp8(self, keys: Fp8Block, block: Block, out: Tensor) -> None:
+        """Read the fp8 block and the scales of the (br x bc) blocks it overlaps; multiply in float32."""
+        (r0, r1), (c0, c1) = block
+        (br, bc) = keys.block
+        weight = self.files.read(keys.weight, block)
+        scales = self.files.read(keys.scale_inv, ((r0 // br, -(-r1 // br)), (c0 // bc, -(-c1 // bc))))
+        out.copy_(dequantize_fp8_block(weight, scales, keys.block, (r0, c0)))
 
 
 def _normalise_index(index: Sequence[slice] | None, shape: tuple[int, ...], name: str) -> Block:

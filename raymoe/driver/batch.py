@@ -6,10 +6,16 @@ in order; every rank of a tp group gets the same block::
     B = 8, dp_size = 4, tp = 2     rows 0-1 -> ranks 0,1   rows 2-3 -> ranks 2,3   ...
 
 Uneven splits are allowed (``torch.tensor_split``), empty ones are not.
+
+Packed rows carry ``document_ids [B, S]``: a run of equal ids along a row is one document, which
+attends only to itself and whose positions restart at 0 (:func:`raymoe.models.common.decoder.document_layout`).
+Its first token is then no target of the token before it (that one belongs to another document and
+cannot see it): its label is ignored, as transformers' ``DataCollatorWithFlattening`` does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,12 +29,14 @@ from raymoe.spec.topology import Topology
 @dataclass(frozen=True)
 class GlobalBatch:
     """A checked global batch. ``labels`` has ``IGNORE_INDEX`` wherever no loss is taken; ``token_mask``
-    (bool) is False on padding (``attention_mask == 0``), which the router's aux loss does not count."""
+    (bool) is False on padding (``attention_mask == 0``), which the router's aux loss does not count;
+    ``document_ids`` (packed rows) or None."""
 
     input_ids: Tensor
     labels: Tensor
     num_label_tokens: int
     token_mask: Tensor
+    document_ids: Tensor | None = None
 
 
 def check_input_ids(input_ids: object, vocab_size: int, name: str = "input_ids") -> Tensor:
@@ -54,9 +62,14 @@ def check_sequence_length(length: int, max_positions: int) -> None:
 
 
 def make_global_batch(
-    input_ids: object, labels: object | None, attention_mask: object | None, vocab_size: int
+    input_ids: object,
+    labels: object | None,
+    attention_mask: object | None,
+    vocab_size: int,
+    document_ids: object | None = None,
 ) -> GlobalBatch:
-    """Labels default to the inputs; positions where ``attention_mask`` is 0 take no loss.
+    """Labels default to the inputs; positions where ``attention_mask`` is 0 take no loss, nor (with
+    ``document_ids``) the first token of each document after a row's first (see the module docstring).
 
     Padding must be on the right: training and evaluation run the models without a padding mask
     (generation takes one), so a token never sees the padding after it, but would see padding placed
@@ -73,10 +86,30 @@ def make_global_batch(
     token_mask = torch.ones_like(ids, dtype=torch.bool)
     if attention_mask is not None:
         mask = check_like(attention_mask, ids, "attention_mask")
-        _check_right_padded(mask)
+        check_right_padded(mask)
         targets = targets.masked_fill(mask == 0, IGNORE_INDEX)
         token_mask = mask != 0
-    return GlobalBatch(ids, targets, count_label_tokens(targets), token_mask)
+    documents = None
+    if document_ids is not None:
+        documents = check_document_ids(document_ids, ids)
+        targets = targets.masked_fill(document_starts(documents), IGNORE_INDEX)
+    return GlobalBatch(ids, targets, count_label_tokens(targets), token_mask, documents)
+
+
+def check_document_ids(document_ids: object, ids: Tensor) -> Tensor:
+    """``document_ids`` as an int64 CPU tensor shaped like ``ids`` (any integers: runs of equal ids are documents)."""
+    if isinstance(document_ids, Tensor) and (
+        document_ids.dtype.is_floating_point or document_ids.dtype == torch.bool or document_ids.is_complex()
+    ):
+        raise ValueError(f"document_ids must hold integer document ids, got dtype {document_ids.dtype}")
+    return check_like(document_ids, ids, "document_ids")
+
+
+def document_starts(document_ids: Tensor) -> Tensor:
+    """``[B, S]`` bool: True at the first token of each document that is not the first of its row."""
+    starts = torch.zeros_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return starts
 
 
 def check_like(value: object, ids: Tensor, name: str) -> Tensor:
@@ -92,7 +125,8 @@ def check_binary_mask(mask: Tensor) -> None:
         raise ValueError("attention_mask must hold only 0 and 1")
 
 
-def _check_right_padded(mask: Tensor) -> None:
+def check_right_padded(mask: Tensor) -> None:
+    """A ``ValueError`` unless ``mask`` holds 0/1 and every row's zeros are at its end."""
     check_binary_mask(mask)
     # Right padding: along each row the mask never goes from 0 back to 1.
     if bool((mask[:, 1:] > mask[:, :-1]).any()):
@@ -114,7 +148,9 @@ def split_by_rank(batch: Tensor, topology: Topology) -> list[Tensor]:
     return [blocks[coords.batch] for coords in topology.ranks]
 
 
-def split_micro_batches(input_ids: Tensor, labels: Tensor, token_mask: Tensor, micro_batches: int) -> list[MicroBatch]:
+def split_micro_batches(
+    input_ids: Tensor, labels: Tensor, token_mask: Tensor, micro_batches: int, document_ids: Tensor | None = None
+) -> list[MicroBatch]:
     """A rank's rows as ``micro_batches`` consecutive row blocks, for gradient accumulation."""
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
@@ -123,5 +159,8 @@ def split_micro_batches(input_ids: Tensor, labels: Tensor, token_mask: Tensor, m
             f"micro_batches={micro_batches} needs at least that many rows per data-parallel rank, "
             f"and a rank holds {input_ids.shape[0]}; use a larger global batch or fewer micro-batches"
         )
-    parts = (torch.tensor_split(tensor, micro_batches) for tensor in (input_ids, labels, token_mask))
-    return [MicroBatch(ids, labs, mask) for ids, labs, mask in zip(*parts, strict=True)]
+    ids, labs, mask = (torch.tensor_split(tensor, micro_batches) for tensor in (input_ids, labels, token_mask))
+    docs: Sequence[Tensor | None] = (
+        torch.tensor_split(document_ids, micro_batches) if document_ids is not None else [None] * micro_batches
+    )
+    return [MicroBatch(*micro) for micro in zip(ids, labs, mask, docs, strict=True)]

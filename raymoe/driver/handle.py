@@ -11,10 +11,12 @@ unloads the model and leaves the ranks running for the next one).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -23,11 +25,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from raymoe.checkpoint.staging import CheckpointSaveError
+from raymoe.checkpoint.staging import (
+    CheckpointSaveError,
+    recover_interrupted_save,
+    staging_directory,
+    swappable_target,
+)
+from raymoe.checkpoint.training_state import StateManifest, TrainingStateError, check_training_state
 from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE
 from raymoe.driver.batch import (
     GlobalBatch,
+    check_document_ids,
     check_input_ids,
+    check_right_padded,
     check_sequence_length,
     make_global_batch,
     split_by_rank,
@@ -52,6 +62,13 @@ from raymoe.rank.evaluate import eval_loss
 from raymoe.rank.infer import DecodeRequest, end_stream, forward_logits, generate_tokens, start_stream, stream_step
 from raymoe.rank.load import LoadReport, load_shards, unload_model
 from raymoe.rank.save import save_gathered
+from raymoe.rank.state import (
+    StateAnswer,
+    StateRequest,
+    load_training_state,
+    save_training_state,
+    wait_for_state_save,
+)
 from raymoe.rank.train import MicroBatch, StepResult, configure_optimizer, train_step
 from raymoe.spec.balance import DEFAULT_BIAS_UPDATE_RATE, BalanceConfig, BalanceOptions
 from raymoe.spec.launch import LaunchSpec
@@ -65,35 +82,43 @@ logger = logging.getLogger(__name__)
 class DistributedModel:
     """A model sharded over rank processes. Use as a context manager, or call :meth:`shutdown`."""
 
-    def __init__(self, spec: LaunchSpec, group: RankGroup, load_reports: list[LoadReport], *, owns_group: bool) -> None:
+    def __init__(
+        self,
+        spec: LaunchSpec,
+        group: RankGroup,
+        load_reports: list[LoadReport],
+        *,
+        owns_group: bool,
+        restart: Callable[[], RankGroup] | None = None,
+    ) -> None:
         self._spec = spec
         self._group = group
+        self._restart = restart
         self.load_reports = load_reports
         self.model_config: ModelConfig = parse_model_config(spec.model_config)
         self._optimizer: OptimizerConfig | None = None
         self._balance = BalanceConfig()
         self._dead_experts = DeadExperts()
+        self._step = 0
+        self._saving: Path | None = None  # the target of an asynchronous save_state still writing
         # Frees what this handle holds when it is collected or the interpreter exits.
         release: Callable[[], None] = group.shutdown if owns_group else _unloader(group)
         self._finalizer = weakref.finalize(self, release)
 
     @classmethod
-    def launch(cls, spec: LaunchSpec, group: RankGroup, *, owns_group: bool) -> DistributedModel:
+    def launch(
+        cls, spec: LaunchSpec, group: RankGroup, *, owns_group: bool, restart: Callable[[], RankGroup] | None = None
+    ) -> DistributedModel:
         """Load ``spec`` on ``group`` (its layout first); an owned group is shut down if loading fails.
 
         A borrowed world hosts one model at a time: loading onto one whose model is still open is a
-        ``ValueError`` (the old handle would otherwise drive the new model).
+        ``ValueError`` (the old handle would otherwise drive the new model). ``restart`` starts a new group like
+        ``group`` (for :meth:`restart`; an owned group only).
         """
         if not owns_group:
             _check_vacant(group)
-        try:
-            group.use_layout(spec.topology)
-            reports = group.execute(load_shards, spec)
-        except BaseException:
-            if owns_group:
-                group.shutdown()
-            raise
-        model = cls(spec, group, reports, owns_group=owns_group)
+        reports = _load(spec, group, owns_group)
+        model = cls(spec, group, reports, owns_group=owns_group, restart=restart)
         if not owns_group:
             _TENANTS[group] = weakref.ref(model)
         return model
@@ -139,22 +164,32 @@ class DistributedModel:
     # --- inference and training -------------------------------------------------------------------
 
     def __call__(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, *, return_logits: str = "all"
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        *,
+        return_logits: str = "all",
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         """Logits of the global batch ``input_ids [B, S]`` (any ``B``), gathered on the driver.
 
         ``return_logits="all"``: ``[B, S, V]``, every position (transformers' ``model(ids).logits``);
         ``"last"``: ``[B, V]`` at each row's last real token, the ``[B, S, V]`` tensor never built.
-        ``attention_mask [B, S]`` (1: real token) may pad rows on either side.
+        ``attention_mask [B, S]`` (1: real token) may pad rows on either side. ``document_ids [B, S]``:
+        packed rows, each run of equal ids a document that sees only itself, its positions from 0.
         """
         if return_logits not in ("all", "last"):
             raise ValueError(f"return_logits={return_logits!r}: choose 'all' or 'last'")
         ids = check_input_ids(input_ids, self.model_config.vocab_size)
         mask = check_attention_mask(attention_mask, ids) if attention_mask is not None else None
+        documents = check_document_ids(document_ids, ids) if document_ids is not None else None
+        if documents is not None and mask is not None:
+            check_right_padded(mask)  # packed rows read no padding mask: padding may only trail a row
         check_sequence_length(ids.shape[1], self.model_config.max_position_embeddings)
         split = split_rows(ids.shape[0], self.topology.config.dp_size)
-        args = zip(split.for_ranks(ids, self.topology), split.for_ranks(mask, self.topology), strict=True)
-        results = self._ranks().execute_per_rank(forward_logits, [(i, m, return_logits == "last") for i, m in args])
+        parts = (split.for_ranks(part, self.topology) for part in (ids, mask, documents))
+        args = [(i, m, return_logits == "last", d) for i, m, d in zip(*parts, strict=True)]
+        results = self._ranks().execute_per_rank(forward_logits, args)
         return split.gather(one_per_batch(results, self.topology))
 
     def generate(
@@ -297,6 +332,12 @@ class DistributedModel:
         self._ranks().execute(configure_optimizer, config, settings)
         self._optimizer, self._balance = config, settings
         self._dead_experts.reset()
+        self._step = 0
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken since ``configure_training`` (or restored by ``load_state``)."""
+        return self._step
 
     @property
     def balance(self) -> BalanceConfig:
@@ -310,10 +351,14 @@ class DistributedModel:
         attention_mask: Tensor | None = None,
         lr: float | None = None,
         micro_batches: int = 1,
+        *,
+        document_ids: Tensor | None = None,
     ) -> dict[str, Any]:
         """One optimizer step on the global batch; the loss is the mean over all its label tokens.
 
         ``labels`` default to ``input_ids``; label ``-100`` and ``attention_mask == 0`` take no loss.
+        ``document_ids [B, S]`` packs documents into rows: each run of equal ids is a document that attends
+        only to itself, with positions from 0, and its first token is no target of the previous document.
         ``lr`` overrides the learning rate from this step on (schedules set it every step).
         ``micro_batches > 1`` splits each rank's rows into that many forward/backward passes
         (gradient accumulation) before the one optimizer step.
@@ -327,9 +372,10 @@ class DistributedModel:
             raise RuntimeError("call configure_training(...) before train_step")
         if lr is not None:
             check_lr(lr)
-        batch, micro_of_rank = self._labelled_batch(input_ids, labels, attention_mask, micro_batches)
+        batch, micro_of_rank = self._labelled_batch(input_ids, labels, attention_mask, micro_batches, document_ids)
         args = [(micro, batch.num_label_tokens, lr) for micro in micro_of_rank]
         results: list[StepResult] = self._ranks().execute_per_rank(train_step, args)
+        self._step += 1
         if lr is not None:
             self._optimizer = self._optimizer.with_lr(lr)
         firsts = one_per_batch(results, self.topology)
@@ -367,27 +413,42 @@ class DistributedModel:
         labels: Tensor | None = None,
         attention_mask: Tensor | None = None,
         micro_batches: int = 1,
+        *,
+        document_ids: Tensor | None = None,
     ) -> dict[str, Any]:
         """Mean loss over all label tokens of the global batch, forward only: no gradients, no optimizer step.
 
-        Batch handling as in :meth:`train_step`. Returns ``loss``, ``loss_sum`` and ``num_tokens``,
-        so the losses of several batches combine exactly: ``sum(loss_sum) / sum(num_tokens)``.
+        Batch handling (``document_ids`` included) as in :meth:`train_step`. Returns ``loss``, ``loss_sum`` and
+        ``num_tokens``, so the losses of several batches combine exactly: ``sum(loss_sum) / sum(num_tokens)``.
         """
-        batch, micro_of_rank = self._labelled_batch(input_ids, labels, attention_mask, micro_batches)
+        batch, micro_of_rank = self._labelled_batch(input_ids, labels, attention_mask, micro_batches, document_ids)
         results: list[float] = self._ranks().execute_per_rank(eval_loss, [(micro,) for micro in micro_of_rank])
         loss_sum = sum(one_per_batch(results, self.topology))
         return {"loss": loss_sum / batch.num_label_tokens, "loss_sum": loss_sum, "num_tokens": batch.num_label_tokens}
 
     def _labelled_batch(
-        self, input_ids: Tensor, labels: Tensor | None, attention_mask: Tensor | None, micro_batches: int
+        self,
+        input_ids: Tensor,
+        labels: Tensor | None,
+        attention_mask: Tensor | None,
+        micro_batches: int,
+        document_ids: Tensor | None = None,
     ) -> tuple[GlobalBatch, list[list[MicroBatch]]]:
         """The checked global batch, and each rank's rows as micro-batches."""
-        batch = make_global_batch(input_ids, labels, attention_mask, self.model_config.vocab_size)
+        batch = make_global_batch(input_ids, labels, attention_mask, self.model_config.vocab_size, document_ids)
         check_sequence_length(batch.input_ids.shape[1], self.model_config.max_position_embeddings)
         if batch.num_label_tokens == 0:
             raise ValueError("the batch has no label tokens (all labels are -100 or masked)")
         parts = (split_by_rank(tensor, self.topology) for tensor in (batch.input_ids, batch.labels, batch.token_mask))
-        micro = [split_micro_batches(ids, labs, mask, micro_batches) for ids, labs, mask in zip(*parts, strict=True)]
+        documents = (
+            split_by_rank(batch.document_ids, self.topology)
+            if batch.document_ids is not None
+            else [None] * self.topology.world_size
+        )
+        micro = [
+            split_micro_batches(ids, labs, mask, micro_batches, docs)
+            for ids, labs, mask, docs in zip(*parts, documents, strict=True)
+        ]
         return batch, micro
 
     def save_pretrained(self, path: str | os.PathLike[str], max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> list[Path]:
@@ -410,6 +471,89 @@ class DistributedModel:
             )
         return [Path(file) for file in result.files]
 
+    # --- training state ---------------------------------------------------------------------------
+
+    def save_state(
+        self, path: str | os.PathLike[str], *, async_save: bool = False, extra: Mapping[str, Any] | None = None
+    ) -> Path:
+        """Write the whole training state to the directory ``path``: model shards, AdamW moments and step counts,
+        the router selection biases (bias balancing), every rank's RNG, :attr:`step`, the optimizer and balance
+        settings, and ``extra`` (any JSON-serialisable dict, e.g. a data position; :meth:`load_state` returns it).
+
+        Every rank writes its own shards in parallel (torch DCP, no gather), into a directory beside ``path``
+        that rank 0 swaps in whole once every rank has finished: ``path`` holds the previous state until then,
+        and a save that fails or is killed never leaves a half state there. A failure raises
+        :class:`~raymoe.checkpoint.staging.CheckpointSaveError` naming the rank, the file and the cause; the
+        model stays loaded, weights and optimizer state.
+
+        ``async_save=True`` returns once every rank has copied its shards to CPU memory; the writing goes on
+        while training continues. The next ``save_state``, ``load_state``, :meth:`wait_for_save` or
+        ``shutdown`` waits for it and raises its failure.
+        """
+        if self._optimizer is None:
+            raise RuntimeError("save_state needs an optimizer: call configure_training(...) first")
+        extra = _checked_extra(extra)
+        self.wait_for_save()
+        target = swappable_target(Path(path).expanduser().absolute())
+        recover_interrupted_save(target)
+        manifest = StateManifest(
+            model_config=dict(self._spec.model_config),
+            step=self._step,
+            optimizer=asdict(self._optimizer),
+            balance=asdict(self._balance),
+            world_size=self.topology.world_size,
+            saved_layout=self.topology.config.model_dump(mode="json"),
+            extra=extra,
+        )
+        request = StateRequest(str(staging_directory(target)), str(target), manifest.to_json(), async_save)
+        answers: list[StateAnswer] = self._ranks().execute(save_training_state, request)
+        if async_save:
+            self._saving = target
+        else:
+            _raise_save_failure(answers, target)
+        return target
+
+    def wait_for_save(self) -> Path | None:
+        """Wait for an asynchronous :meth:`save_state` to be written and swapped in; its directory, or None when
+        none was in flight. Raises its failure (``CheckpointSaveError``); the previous state is then intact."""
+        target, self._saving = self._saving, None
+        if target is None:
+            return None
+        answers = [a for a in self._ranks().execute(wait_for_state_save) if a is not None]
+        _raise_save_failure(answers, target)
+        return target
+
+    def load_state(self, path: str | os.PathLike[str]) -> StateManifest:
+        """Restore a :meth:`save_state` directory into this handle, whatever layout and world size saved it.
+
+        Checked on the driver first (manifest, model type, every tensor name and shape, every data file present
+        and long enough): a :class:`~raymoe.checkpoint.training_state.TrainingStateError` naming the directory and
+        the problem, before any rank reads. Then every rank reads its own shards (DCP reshards); only when all
+        succeeded do they become the weights, a new AdamW with the saved settings and moments, the balance
+        settings and the RNG (rank ``r`` gets saved rank ``r``'s, where the saved world had one). A failed read
+        changes nothing. Returns the manifest (``step``, ``extra``). Needs no ``configure_training`` before.
+        """
+        self.wait_for_save()
+        directory = Path(path).expanduser().absolute()
+        manifest = check_training_state(directory, self._spec.build_meta_model(), self.model_config.model_type)
+        try:
+            optimizer = OptimizerConfig(**manifest.optimizer)
+            balance = BalanceConfig(**manifest.balance)
+        except (TypeError, ValueError) as error:
+            raise TrainingStateError(
+                f"training state {directory}: bad optimizer or balance settings: {error}"
+            ) from error
+        answers: list[StateAnswer] = self._ranks().execute(load_training_state, str(directory), optimizer, balance)
+        failures = _failures(answers)
+        if failures:
+            raise TrainingStateError(
+                f"load_state({str(directory)!r}) loaded nothing: {failures}; the model is unchanged"
+            )
+        _log_changed_settings(self._optimizer, optimizer, self._balance, balance)
+        self._optimizer, self._balance, self._step = optimizer, balance, manifest.step
+        self._dead_experts.reset()
+        return manifest
+
     def run_on_ranks(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """``fn(ctx, *args, **kwargs)`` on every rank, results in rank order: for inspecting or extending
         what the ranks hold (``ctx.require_model().model`` is this rank's shard of the model). ``fn``
@@ -420,8 +564,33 @@ class DistributedModel:
 
     def shutdown(self) -> None:
         """Release the ranks: stop them (a group this handle started) or unload the model from a borrowed
-        world (``from_pretrained(..., world=...)``). Safe to call more than once."""
-        self._finalizer()
+        world (``from_pretrained(..., world=...)``). Safe to call more than once. Waits for an asynchronous
+        ``save_state`` first, and raises its failure after releasing the ranks."""
+        try:
+            if self._saving is not None and self.is_alive:
+                self.wait_for_save()
+        finally:
+            self._saving = None
+            self._finalizer()
+
+    def restart(self) -> None:
+        """Replace ranks that failed (a rank died or hung, which ended the group) with new rank actors, placed
+        afresh (on other nodes if a node is gone; waiting up to ``placement_timeout_s`` for room), and load the
+        model from its source again. Training settings are gone with the old ranks: call ``configure_training``
+        or ``load_state`` next. Only for a model ``from_pretrained`` started ranks for (not on a borrowed world)."""
+        if self._restart is None:
+            raise RuntimeError(
+                "restart() needs ranks this model started; it runs on a world you started "
+                "(from_pretrained(..., world=...)): start a new world and load the model onto it"
+            )
+        if self._group.is_alive:
+            raise RuntimeError("restart() replaces ranks that failed; this model's ranks are running")
+        group = self._restart()
+        self.load_reports = _load(self._spec, group, owns_group=True)
+        self._finalizer.detach()
+        self._group, self._finalizer = group, weakref.finalize(self, group.shutdown)
+        self._optimizer, self._balance, self._step, self._saving = None, BalanceConfig(), 0, None
+        self._dead_experts.reset()
 
     def _ranks(self) -> RankGroup:
         """The group, for a call; a handle that was shut down fails here, on the driver, before any rank is asked."""
@@ -450,8 +619,61 @@ class DistributedModel:
         )
 
 
+def _load(spec: LaunchSpec, group: RankGroup, owns_group: bool) -> list[LoadReport]:
+    """Put ``group`` in ``spec``'s layout and load the shards; an owned group is shut down if that fails."""
+    try:
+        group.use_layout(spec.topology)
+        reports: list[LoadReport] = group.execute(load_shards, spec)
+    except BaseException:
+        if owns_group:
+            group.shutdown()
+        raise
+    return reports
+
+
 # The open handle of each borrowed world (a world hosts one model at a time).
 _TENANTS: weakref.WeakKeyDictionary[Any, weakref.ref[DistributedModel]] = weakref.WeakKeyDictionary()
+
+
+def _checked_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``extra`` as a plain dict, or a ``ValueError`` before any rank writes when JSON cannot hold it."""
+    if extra is None:
+        return {}
+    if not isinstance(extra, Mapping):
+        raise ValueError(f"save_state: extra must be a dict, got {type(extra).__name__}")
+    try:
+        json.dumps(dict(extra))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"save_state: extra must be JSON-serialisable: {error}") from error
+    return dict(extra)
+
+
+def _failures(answers: Sequence[StateAnswer]) -> str:
+    """The distinct failures the ranks answered, one clause each (every rank reports DCP's failure)."""
+    return "; ".join(dict.fromkeys(a.error for a in answers if a.error is not None))
+
+
+def _raise_save_failure(answers: Sequence[StateAnswer], target: Path) -> None:
+    failures = _failures(answers)
+    if failures:
+        errno = next((a.errno for a in answers if a.errno is not None), None)
+        raise CheckpointSaveError(
+            f"save_state({str(target)!r}) saved nothing: {failures}. {target} keeps what it held before; the model "
+            "is still loaded (weights and optimizer state): fix the cause and call save_state again",
+            errno,
+        )
+
+
+def _log_changed_settings(
+    optimizer: OptimizerConfig | None, saved: OptimizerConfig, balance: BalanceConfig, saved_balance: BalanceConfig
+) -> None:
+    """Say which configured settings the loaded state replaced (load_state restores the saved run's)."""
+    if optimizer is None:
+        return
+    before, after = asdict(optimizer) | asdict(balance), asdict(saved) | asdict(saved_balance)
+    changed = [f"{key}={before[key]!r} -> {after[key]!r}" for key in after if before.get(key) != after[key]]
+    if changed:
+        logger.warning("load_state restored the saved run's training settings: %s", ", ".join(changed))
 
 
 def _check_vacant(group: RankGroup) -> None:

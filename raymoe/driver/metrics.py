@@ -28,13 +28,23 @@ PLOT_FILE = "metrics.png"
 
 
 class MetricsLog:
-    """Records kept in memory and appended, one line each, to ``path`` (created empty for a new run)."""
+    """Records kept in memory and appended, one line each, to ``path``.
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    A new run (``keep_through_step`` None) creates the file empty. A resumed one passes the step it resumes at:
+    the file's records up to that step (train and eval) are kept, later ones dropped (they came after the state
+    and the run will make them again), and the file is rewritten with those (atomically: a crash leaves either
+    the old or the new file) before it is appended to. A line a crash cut short at the end is dropped too.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, keep_through_step: int | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text("")
         self.records: list[dict[str, Any]] = []
+        if keep_through_step is not None and self.path.is_file():
+            self.records = [r for r in _read_tolerant(self.path) if r.get("step", 0) <= keep_through_step]
+        staged = self.path.with_name(f".{self.path.name}.tmp")
+        staged.write_text("".join(json.dumps(record) + "\n" for record in self.records))
+        os.replace(staged, self.path)
 
     def append(self, record: dict[str, Any]) -> None:
         self.records.append(record)
@@ -46,6 +56,23 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The records of a ``metrics.jsonl`` file, in order."""
     with Path(path).open() as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def _read_tolerant(path: Path) -> list[dict[str, Any]]:
+    """``read_metrics``, except that an unreadable last line (a write a crash cut short) is left out."""
+    lines = path.read_text().splitlines()
+    last = max((number for number, line in enumerate(lines, start=1) if line.strip()), default=0)
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            if number == last:
+                break
+            raise ValueError(f"{path} line {number} is not a JSON record: {error}") from error
+    return records
 
 
 def plot_metrics(records: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> Path:

@@ -3,8 +3,13 @@
 Built with raymoe's own model code and written in the hub layout (``config.json``,
 ``model.safetensors``, ``tokenizer.json``), so ``raymoe.from_pretrained`` loads it like any hub
 checkpoint. Its tokenizer is byte-level (:meth:`raymoe.driver.data.TextTokenizer.byte_level`): ids
-0-255 are UTF-8 bytes, 256 is ``<|endoftext|>``, 257 ``<|pad|>``; the vocabulary is padded to
-264 so that every tp_size up to 8 splits it evenly.
+0-255 are UTF-8 bytes, 256 is ``<|endoftext|>``, 257 ``<|pad|>``, 258 / 259 the chat turn markers
+``<|im_start|>`` / ``<|im_end|>``; the vocabulary is padded to 264 so that every tp_size up to 8 splits
+it evenly. Its ``tokenizer_config.json`` carries a ChatML chat template (:data:`TINY_CHAT_TEMPLATE`)::
+
+    <|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n
+
+so assistant-only loss trains on ``4<|im_end|>``: each answer's bytes and its end marker.
 
 Sizes are chosen so that every layout of up to 8 ranks fits: 4 attention (and kv) heads,
 8 experts (ep_size 2, 4 or 8), and dimensions divisible by 8.
@@ -19,7 +24,8 @@ from typing import Any
 import torch
 
 from raymoe.checkpoint.model_io import save_model
-from raymoe.driver.data import TextTokenizer
+from raymoe.driver.chat import ChatTemplate
+from raymoe.driver.data import END_OF_TEXT, PAD, TextTokenizer
 from raymoe.models.registry import build_model, parse_model_config
 
 TINY_MOE_CONFIG: dict[str, Any] = {
@@ -53,8 +59,24 @@ TINY_MOE_CONFIG: dict[str, Any] = {
 }
 
 
+# ChatML, as Qwen's templates write it (without their tool and reasoning parts).
+TINY_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def tiny_tokenizer() -> TextTokenizer:
+    """The embedded model's tokenizer: byte-level, with the ChatML template."""
+    template = ChatTemplate(TINY_CHAT_TEMPLATE, {"eos_token": END_OF_TEXT, "pad_token": PAD}, "the embedded model")
+    return TextTokenizer.byte_level(chat_template=template)
+
+
 def build_tiny_checkpoint(directory: str | os.PathLike[str], *, seed: int = 0) -> Path:
-    """Write the tiny random Qwen3-MoE (weights from ``seed``) and its byte-level tokenizer into ``directory``."""
+    """Write the tiny random Qwen3-MoE (weights from ``seed``) and its byte-level tokenizer (``tokenizer.json``,
+    ``tokenizer_config.json`` with the chat template) into ``directory``."""
     path = Path(directory).expanduser().absolute()
     path.mkdir(parents=True, exist_ok=True)
     # A private RNG stream: building the model must not move the caller's global torch seed.
@@ -62,5 +84,5 @@ def build_tiny_checkpoint(directory: str | os.PathLike[str], *, seed: int = 0) -
         torch.manual_seed(seed)
         model = build_model(parse_model_config(TINY_MOE_CONFIG), device="cpu")
     save_model(model, path)
-    TextTokenizer.byte_level().save(path)
+    tiny_tokenizer().save(path)
     return path

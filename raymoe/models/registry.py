@@ -12,14 +12,23 @@ from typing import Any
 
 import torch
 
-from raymoe.models import gpt_oss, llama, mixtral, qwen3, qwen3_moe
+from raymoe.models import deepseek_v3, glm4_moe, gpt_oss, llama, mixtral, qwen2_moe, qwen3, qwen3_moe
 from raymoe.models.common.config import ModelConfig, read_config_file
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.family import ModelFamily
 
 FAMILIES: dict[str, ModelFamily] = {
     family.model_type: family
-    for family in (llama.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY, gpt_oss.FAMILY)
+    for family in (
+        llama.FAMILY,
+        qwen3.FAMILY,
+        qwen3_moe.FAMILY,
+        qwen2_moe.FAMILY,
+        glm4_moe.FAMILY,
+        deepseek_v3.FAMILY,
+        mixtral.FAMILY,
+        gpt_oss.FAMILY,
+    )
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 MODEL_CLASSES: dict[str, type[CausalLM]] = {name: family.model_class for name, family in FAMILIES.items()}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -25,12 +25,20 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.generation import Generation
+from raymoe.rank.progress import FLIGHT_RECORDER_ENTRIES
 from raymoe.spec.balance import BalanceConfig
 from raymoe.spec.launch import LaunchSpec
 from raymoe.spec.optimizer import OptimizerConfig
 from raymoe.spec.topology import DENSE_AXES, EXPERT_AXES, Axis, RankCoords, Topology
 
+if TYPE_CHECKING:
+    from raymoe.rank.state import PendingSave
+
 Backend = Literal["nccl", "gloo"]
+
+# A collective that waits longer than this ends the call (SPEC RAY-2): long enough for a slow step or shard read,
+# short enough that a hung rank is named within minutes (actors/group.py watches for it on the driver).
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -43,7 +51,7 @@ class Rendezvous:
     master_addr: str
     master_port: int
     backend: Backend | None = None
-    collective_timeout_s: float = 1800.0
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,7 @@ class LoadedModel:
     spec: LaunchSpec
     training: Training | None = None
     generation: Generation | None = None  # a stream in progress (raymoe.rank.infer)
+    pending_save: PendingSave | None = None  # an asynchronous save_state still writing (raymoe.rank.state)
 
     def require_training(self) -> Training:
         if self.training is None:
@@ -88,9 +97,10 @@ class RankContext:
     world_size: int
     device: torch.device
     backend: str
-    collective_timeout_s: float = 1800.0  # of the world group and of every sub-mesh group
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # of the world group and of every sub-mesh group
     layout: RankLayout | None = None
     loaded: LoadedModel | None = None
+    _checkpoint_group: dist.ProcessGroup | None = field(default=None, repr=False)
     _meshes: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[DeviceMesh, DeviceMesh]] = field(
         default_factory=dict, repr=False
     )
@@ -150,6 +160,15 @@ class RankContext:
             raise RuntimeError("no model is loaded on this rank")
         return self.loaded
 
+    def checkpoint_group(self) -> dist.ProcessGroup:
+        """A gloo group over the whole world for DCP's collectives, made on first use (every rank must call it then):
+        an asynchronous save runs them in a thread, which must not share a group with the training step."""
+        if self._checkpoint_group is None:
+            self._checkpoint_group = dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=self.collective_timeout_s)
+            )
+        return self._checkpoint_group
+
 
 def default_backend() -> Backend:
     """NCCL where this process sees a GPU, gloo otherwise."""
@@ -158,6 +177,8 @@ def default_backend() -> Backend:
 
 def join_world(rendezvous: Rendezvous) -> RankContext:
     """Set the torch.distributed environment, bind the device and init the process group."""
+    # torch's flight recorder: the collectives each group entered and finished, read by raymoe.rank.progress
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)
     os.environ.update(
         RANK=str(rendezvous.rank),
         WORLD_SIZE=str(rendezvous.world_size),

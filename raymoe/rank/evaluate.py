@@ -17,7 +17,8 @@ from raymoe.rank.train import MicroBatch
 
 @torch.no_grad()
 def eval_loss(ctx: RankContext, micro_batches: list[MicroBatch]) -> float:
-    """Sum of the token losses over this rank's micro-batches (``input_ids``, ``labels`` ``[b, S]``).
+    """Sum of the token losses over this rank's micro-batches (``input_ids``, ``labels`` ``[b, S]``, and
+    ``document_ids`` for packed rows).
 
     Every rank runs every micro-batch (the forward's collectives need all of them); rows whose
     labels are all ignored add 0.
@@ -27,7 +28,7 @@ def eval_loss(ctx: RankContext, micro_batches: list[MicroBatch]) -> float:
     loss_sum = torch.zeros((), dtype=torch.float32)
     for micro in micro_batches:
         with vocab_parallel_loss(model):
-            logits = model(micro.input_ids.to(ctx.device))
+            logits = micro.forward(model, ctx.device)
             loss_sum += whole(causal_lm_loss(logits, micro.labels.to(ctx.device), reduction="sum")).float().cpu()
     # FSDP units keep their gathered weights after a no-grad forward; a later train step must not use them.
     reshard(model)

@@ -32,15 +32,20 @@ class DecodeRequest:
 
 @torch.no_grad()
 def forward_logits(
-    ctx: RankContext, input_ids_BS: Tensor, attention_mask_BS: Tensor | None = None, last_only: bool = False
+    ctx: RankContext,
+    input_ids_BS: Tensor,
+    attention_mask_BS: Tensor | None = None,
+    last_only: bool = False,
+    document_ids_BS: Tensor | None = None,
 ) -> Tensor | None:
     """``logits [B_local, S, V]`` (``[B_local, V]`` at each row's last real token with ``last_only``) on CPU,
-    from the first rank of each tp group; None elsewhere (same rows)."""
+    from the first rank of each tp group; None elsewhere (same rows). ``document_ids``: packed rows."""
     model = ctx.require_model().model
     model.eval()
     mask = attention_mask_BS.to(ctx.device) if attention_mask_BS is not None else None
+    documents = document_ids_BS.to(ctx.device) if document_ids_BS is not None else None
     last_B = _last_real(input_ids_BS, attention_mask_BS).to(ctx.device) if last_only else None
-    logits = model(input_ids_BS.to(ctx.device), None, mask, last_B)
+    logits = model(input_ids_BS.to(ctx.device), None, mask, last_B, documents)
     reshard(model)
     if isinstance(logits, DTensor):
         logits = logits.full_tensor()

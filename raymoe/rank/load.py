@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from raymoe.checkpoint.model_io import open_checkpoint
 from raymoe.checkpoint.reader import CheckpointReader
 from raymoe.models.common.decoder import CausalLM
+from raymoe.parallel.activation_checkpoint import apply_activation_checkpointing
 from raymoe.parallel.apply import apply_rules
 from raymoe.parallel.fsdp import FsdpUnits, apply_fsdp
 from raymoe.parallel.sharding import Block, read_local_shard
@@ -62,12 +63,13 @@ def unload_model(ctx: RankContext) -> None:
 
 
 def shard_on_meta(model: CausalLM, spec: LaunchSpec, ctx: RankContext) -> None:
-    """TP rules, then EP rules, then FSDP2, on the model while it is still on the meta device."""
+    """TP rules, then EP rules, activation checkpointing, then FSDP2, on the model while it is still on meta."""
     plans, config = spec.plans, spec.topology.config
     if plans.tp_rules:
         apply_rules(model, plans.tp_rules, ctx.mesh(Axis.TP), plans.styles)
     if plans.ep_rules:
         apply_rules(model, plans.ep_rules, ctx.mesh(Axis.EP), ep_styles(plans.styles, ctx))
+    apply_activation_checkpointing(model, config.activation_checkpointing)  # before FSDP2, as its units wrap layers
     if uses_fsdp(config):
         units = FsdpUnits(
             dense_mesh=ctx.data_parallel_mesh(Axis.FSDP),

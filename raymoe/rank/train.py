@@ -43,12 +43,20 @@ from raymoe.spec.optimizer import OptimizerConfig
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """One micro-batch of a rank's rows: ``input_ids`` and ``labels`` ``[b, S]`` (-100: no loss), and
-    ``token_mask`` ``[b, S]`` bool, the real tokens (False: padding), which the aux loss counts."""
+    """One micro-batch of a rank's rows: ``input_ids`` and ``labels`` ``[b, S]`` (-100: no loss),
+    ``token_mask`` ``[b, S]`` bool, the real tokens (False: padding), which the aux loss counts, and for
+    packed rows ``document_ids`` ``[b, S]`` (each document attends only to itself; None: plain rows)."""
 
     input_ids: Tensor
     labels: Tensor
     token_mask: Tensor
+    document_ids: Tensor | None = None
+
+    def forward(self, model: nn.Module, device: torch.device) -> Tensor:
+        """The model's logits of these rows on ``device`` (one call through the root module, as FSDP2 needs)."""
+        documents = self.document_ids.to(device) if self.document_ids is not None else None
+        logits: Tensor = model(self.input_ids.to(device), document_ids_BS=documents)
+        return logits
 
 
 @dataclass(frozen=True)
@@ -118,7 +126,7 @@ def train_step(
         if isinstance(model, FSDPModule):
             model.set_requires_gradient_sync(index == len(micro_batches) - 1)
         with vocab_parallel_loss(model):
-            logits = model(micro.input_ids.to(ctx.device))
+            logits = micro.forward(model, ctx.device)
             micro_loss = whole(causal_lm_loss(logits, micro.labels.to(ctx.device), reduction="sum"))
             # FSDP2 sums the gradients over data-parallel ranks (raymoe.parallel.fsdp), giving one process's gradient.
             objective = micro_loss / global_tokens

@@ -83,6 +83,11 @@ class DistributedConfig(BaseModel):
     fsdp_plan: PlanDict | None = Field(default=None, description="FSDP2 plan override")
     fsdp_cpu_offload: bool = Field(default=False, description="FSDP2 CPU offload")
     fsdp_mixed_precision: bool = Field(default=False, description="FSDP2 bf16 params, fp32 reduce")
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        default="none",
+        description="recompute each decoder layer's activations in backward: all of them (full), or all but the "
+        "matmul and attention outputs (selective)",
+    )
     pp_size: int | None = Field(default=None, ge=1, description="pipeline degree")
     ep_size: int | None = Field(default=None, ge=1, description="expert-parallel degree")
     ep_plan: PlanDict | None = Field(default=None, description="EP plan override")

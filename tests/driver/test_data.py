@@ -25,8 +25,9 @@ def test_byte_level_tokenizer_ids_are_the_utf8_bytes(tmp_path):
     text = "Hello, wörld! 日本\n\t x"
     assert tokenizer.encode(text) == list(text.encode("utf-8"))
     assert tokenizer.decode(tokenizer.encode(text)) == text
-    assert tokenizer.eos_token_id == 256 and tokenizer.vocab_size == 258
+    assert tokenizer.eos_token_id == 256 and tokenizer.vocab_size == 260
     assert tokenizer.encode("a<|endoftext|>b") == [97, 256, 98]
+    assert tokenizer.encode("<|im_start|>a<|im_end|>") == [258, 97, 259]  # the chat turn markers
     # saved as a plain tokenizer.json that the tokenizers package loads back identically
     loaded = load_tokenizer(tokenizer.save(tmp_path).parent)
     assert loaded.encode(text) == tokenizer.encode(text) and loaded.eos_token_id == 256
@@ -100,7 +101,8 @@ def test_jsonl_text_and_npy_datasets(tmp_path):
         (
             "field.jsonl",
             '{"content": "a"}\n',
-            r"field\.jsonl line 1 must be .* field 'text', got dict with fields \['content'\]",
+            r"field\.jsonl line 1 must be .* field 'text' \(text\), 'messages' \(a conversation\) or 'prompt' and "
+            r"'completion', got an object with fields \['content'\]",
         ),
         ("latin1.txt", b"caf\xe9", r"latin1\.txt is not UTF-8 text"),
     ],
@@ -115,8 +117,8 @@ def test_bad_dataset_files_are_one_clear_error(tmp_path, name, content, message)
 def test_missing_and_unusable_dataset_paths(tmp_path):
     with pytest.raises(ValueError, match=r"dataset file '.*absent.txt' does not exist"):
         load_dataset(tmp_path / "absent.txt", seq_len=8, tokenizer=TextTokenizer.byte_level())
-    with pytest.raises(ValueError, match="is not a file"):
-        load_dataset(tmp_path, seq_len=8, tokenizer=None)
+    with pytest.raises(ValueError, match=r"cannot load the dataset '.*' \(split 'train'\)"):
+        load_dataset(tmp_path, seq_len=8, tokenizer=None)  # a directory is a `datasets` dataset, here an empty one
     text = tmp_path / "t.txt"
     text.write_text("abc")
     with pytest.raises(ValueError, match="is text and needs a tokenizer"):
@@ -193,7 +195,12 @@ def test_tiny_checkpoint_loads_and_leaves_the_global_rng_alone(tmp_path):
     torch.manual_seed(123)
     directory = raymoe.build_tiny_checkpoint(tmp_path / "tiny")
     assert torch.rand(1) == expected
-    assert {p.name for p in directory.iterdir()} == {"config.json", "model.safetensors", "tokenizer.json"}
+    assert {p.name for p in directory.iterdir()} == {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
     model = raymoe.load_model(directory)
     assert model.num_experts == TINY_MOE_CONFIG["num_experts"] == 8
     ids = torch.tensor([load_tokenizer(directory).encode("hello")])

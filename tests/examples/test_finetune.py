@@ -6,10 +6,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 from ray.util.state import list_actors
+
+from raymoe import build_tiny_checkpoint
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "finetune.py"
 
@@ -98,6 +101,16 @@ def test_a_tiny_hub_family_checkpoint_fine_tunes(
         ),
         (["--dataset", "{garbage}"], r"garbage.npy is not a .npy array of token ids"),
         (["--dataset", "{latin1}"], r"latin1.jsonl line 2 is not UTF-8 text"),
+        (["--dataset", "{no_answer}"], r"no_answer.jsonl line 2: the conversation has no assistant turn"),
+        (["--dataset", "{bad_role}"], r"bad_role.jsonl line 1 message 1 has an unknown role 'bot'"),
+        (
+            ["--dataset", "{long_chat}", "--seq-len", "32"],
+            r"long_chat.jsonl line 1 is 46 tokens long, more than seq_len=32 .* --overlong truncate",
+        ),
+        (
+            ["--dataset", "{no_answer}", "--model", "{no_template}"],
+            r"no_answer.jsonl holds conversations, but the checkpoint has no chat template .* --chat-template",
+        ),
     ],
     ids=[
         "missing_dataset",
@@ -113,6 +126,10 @@ def test_a_tiny_hub_family_checkpoint_fine_tunes(
         "npy_ids_outside_the_vocabulary",
         "npy_that_is_not_an_array",
         "jsonl_that_is_not_utf8",
+        "chat_without_an_assistant_turn",
+        "chat_with_an_unknown_role",
+        "chat_longer_than_seq_len",
+        "chat_without_a_chat_template",
     ],
 )
 def test_bad_input_is_one_error_before_any_step(ray_session, finetune, tmp_path, capsys, args, message):
@@ -124,6 +141,16 @@ def test_bad_input_is_one_error_before_any_step(ray_session, finetune, tmp_path,
     np.save(files["out_of_vocab.npy"], np.array([1, 2, 999, 3] * 50))
     files["garbage.npy"].write_bytes(b"not an array at all")
     files["latin1.jsonl"].write_bytes('{"text": "ok"}\n{"text": "caf\u00e9"}\n'.encode("latin-1"))
+    turn = {"role": "user", "content": "hi"}
+    answer = {"role": "assistant", "content": "hello"}
+    chats = {"no_answer.jsonl": [[turn, answer], [turn]], "bad_role.jsonl": [[turn, {"role": "bot", "content": "x"}]]}
+    chats["long_chat.jsonl"] = [[{"role": "user", "content": "x" * 20}, answer]]
+    for name, conversations in chats.items():
+        files[name] = tmp_path / name
+        files[name].write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
+    files["no_template"] = tmp_path / "no_template"  # the embedded model without its chat template
+    build_tiny_checkpoint(files["no_template"])
+    (files["no_template"] / "tokenizer_config.json").unlink()
     out = tmp_path / "run"
     argv = []
     for arg in args:
@@ -137,6 +164,33 @@ def test_bad_input_is_one_error_before_any_step(ray_session, finetune, tmp_path,
     assert re.search(message, err[0]), err[0]
     assert not (out / "metrics.jsonl").exists()  # no step ran
     assert rank_actors_alive(ray_session) == before
+
+
+@pytest.mark.slow
+def test_chat_data_trains_on_the_assistant_answers_only(ray_session, finetune, tmp_path, capsys):
+    """--dataset chat.jsonl on the embedded model: the label tokens of a step over every row are exactly the
+    assistant answers' bytes and one <|im_end|> each, counted by hand over the file (byte-level tokenizer)."""
+    import raymoe
+
+    lines = (SCRIPT.parent / "data" / "chat.jsonl").read_text().splitlines()[:24]
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("\n".join(lines) + "\n")
+    answers = [m["content"] for line in lines for m in json.loads(line)["messages"] if m["role"] == "assistant"]
+    hand_count = sum(len(answer.encode("utf-8")) + 1 for answer in answers)  # + <|im_end|>
+    rows = raymoe.load_dataset(
+        chat, 128, raymoe.load_tokenizer(raymoe.build_tiny_checkpoint(tmp_path / "m"))
+    ).num_sequences
+    out = tmp_path / "run"
+    argv = ["--dataset", str(chat), "--eval-fraction", "0", "--global-batch-size", str(rows), "--steps", "2"]
+    assert finetune.main([*argv, "--output-dir", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert f"data: 24 conversations -> {rows} rows of 128 tokens; document packing" in printed
+    assert f"{hand_count} label tokens" in printed
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["num_tokens"] for r in steps] == [hand_count, hand_count]  # each step holds every row once
+    assert steps[1]["loss"] < steps[0]["loss"]
+    saved = raymoe.load_tokenizer(out / "checkpoint")  # the checkpoint keeps the chat template
+    assert saved.chat_template is not None and "<|im_start|>" in saved.chat_template.source
 
 
 @pytest.mark.parametrize("debug", [False, True])
@@ -158,3 +212,80 @@ def test_a_rank_failure_is_one_line_unless_debugging(finetune, monkeypatch, caps
         assert err.strip().splitlines() == [
             f"finetune.py: rank failure: {message} (--debug shows the rank's traceback)"
         ]
+
+
+@pytest.mark.slow
+def test_a_run_resumes_from_its_latest_state_under_another_layout(ray_session, finetune, tmp_path, capsys):
+    """--save-state-every, a lost step (the newest state removed, as if the job died before writing it), then
+    --resume on another layout: metrics.jsonl goes on with steps 1..6 once each. Without --resume or --overwrite
+    the second launch is refused before the cluster is asked for anything."""
+    out = tmp_path / "run"
+    common = ["--steps", "6", "--seq-len", "32", "--eval-every", "0", "--output-dir", str(out), "--no-progress"]
+    first_layout = ["--tp-size", "1", "--fsdp-size", "2", "--ep-size", "2"]
+    assert finetune.main([*common, *first_layout, "--save-state-every", "2"]) == 0
+    assert f"state  {out / 'states' / 'step-00000006'}" in capsys.readouterr().out
+    assert sorted(p.name for p in (out / "states").iterdir()) == ["step-00000004", "step-00000006"]  # --keep-last 2
+    first = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    shutil.rmtree(out / "states" / "step-00000006")
+
+    before = rank_actors_alive(ray_session)
+    assert finetune.main([*common, *first_layout]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"finetune.py: error: output_dir {out} holds an earlier run"), err
+    assert "--resume" in err[0] and "--overwrite" in err[0]
+    assert rank_actors_alive(ray_session) == before
+    assert [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] == first  # untouched
+
+    second_layout = ["--tp-size", "2", "--fsdp-size", "1", "--ep-size", "1"]
+    assert finetune.main([*common, *second_layout, "--save-state-every", "2", "--resume"]) == 0
+    printed = capsys.readouterr().out
+    assert f"resumed  {out / 'states' / 'step-00000004'}" in printed and "steps  2" in printed
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in records if "eval_loss" in r] == [0, 6]  # the first run's eval of step 6 made again
+    assert records[:5] == first[:5]  # kept as they were: the eval before the first step and steps 1-4
+    for a, b in zip(first[5:], records[5:], strict=True):  # steps 5 and 6 again, on the other layout
+        assert a["lr"] == b["lr"] and a["num_tokens"] == b["num_tokens"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    assert sorted(p.name for p in (out / "states").iterdir()) == ["step-00000004", "step-00000006"]
+
+
+@pytest.mark.slow
+def test_sigint_stops_at_a_step_boundary_saves_the_state_and_frees_every_rank(ray_session, tmp_path):
+    """Ctrl-C to a running finetune.py (its own driver process, on the session's Ray): it exits within 30 s with
+    130 after the step in progress, leaves a training state to resume from, and no rank actor behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    before = rank_actors_alive(ray_session)
+    out = tmp_path / "run"
+    env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
+    command = [sys.executable, str(SCRIPT), "--steps", "500", "--output-dir", str(out), "--no-progress",
+               "--cpus-per-rank", "0.25"]  # fmt: skip
+    driver = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and driver.poll() is None:
+        if metrics.is_file() and sum('"loss"' in line for line in metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    assert driver.poll() is None, driver.communicate()
+    interrupted = time.monotonic()
+    driver.send_signal(signal.SIGINT)
+    _, stderr = driver.communicate(timeout=60)
+    took = time.monotonic() - interrupted
+    print(f"SIGINT -> exit in {took:.1f} s")  # shown with -s
+    assert took < 30 and driver.returncode == 130, stderr
+    found = re.search(r"interrupted: SIGINT: training stopped after step (\d+); training state in (\S+) ", stderr)
+    assert found, stderr
+    step = int(found.group(1))
+    steps = [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+    assert steps == list(range(1, step + 1))
+    assert Path(found.group(2)).name == f"step-{step:08d}" and (Path(found.group(2)) / "raymoe_state.json").is_file()
+    deadline = time.monotonic() + 30
+    while rank_actors_alive(ray_session) - before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not rank_actors_alive(ray_session) - before

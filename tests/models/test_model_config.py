@@ -32,10 +32,10 @@ def test_every_supported_type_has_a_model_class():
 def test_unknown_model_type_lists_the_supported_ones():
     with pytest.raises(
         ValueError,
-        match=r"model_type='deepseek_v3' is not supported; supported model types: llama, qwen3, qwen3_moe, mixtral, "
-        "gpt_oss",
+        match=r"model_type='kimi_linear' is not supported; supported model types: llama, qwen3, qwen3_moe, qwen2_moe, "
+        "glm4_moe, deepseek_v3, mixtral, gpt_oss",
     ):
-        parse_model_config({**QWEN3_MOE, "model_type": "deepseek_v3"})
+        parse_model_config({**QWEN3_MOE, "model_type": "kimi_linear"})
     with pytest.raises(ValueError, match="model_type=None"):
         parse_model_config({k: v for k, v in QWEN3_MOE.items() if k != "model_type"})
 

@@ -12,8 +12,7 @@ import torch
 from ray import cloudpickle
 
 import raymoe
-from raymoe.checkpoint import load_model, save_model
-from raymoe.models import build_model, parse_model_config
+from raymoe.checkpoint import load_model
 from raymoe.rank.balance import routers
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -163,28 +162,7 @@ def test_a_run_can_switch_the_aux_loss_off_and_still_see_it(aux_checkpoint, load
 
 # --- bias balancing, on a family whose routers carry e_score_correction_bias -----------------------------
 
-BIASED = "test_biased_moe"
-
-
-def register_biased_family(ctx=None):
-    """A Qwen3-MoE whose routers have a selection bias (until DeepSeek-V3 / GLM-4.5 land); on the driver and,
-    as a rank function, on every rank of a world."""
-    from raymoe.models import registry
-    from raymoe.models.common.config import ConfigDefaults
-    from raymoe.models.common.family import ModelFamily
-    from raymoe.models.qwen3_moe import Qwen3MoeForCausalLM
-
-    class BiasedMoe(Qwen3MoeForCausalLM):
-        model_type = BIASED
-
-    defaults = ConfigDefaults(max_position_embeddings=256, qk_norm=True, has_moe=True, router_selection_bias=True)
-    registry.FAMILIES[BIASED] = ModelFamily(BIASED, defaults, BiasedMoe)
-
-
-def unregister_biased_family(ctx=None):
-    from raymoe.models import registry
-
-    registry.FAMILIES.pop(BIASED, None)
+BIASED = "glm4moe_e8_k3_shared2_qknorm"  # GLM-4.5: two sparse layers of 8 experts behind a dense first layer
 
 
 def biases(ctx):
@@ -196,27 +174,29 @@ def biases(ctx):
     return torch.stack(out).cpu()
 
 
+def hub_biases(hf_model) -> torch.Tensor:
+    """transformers' e_score_correction_bias buffers, one row per sparse layer."""
+    return torch.stack(
+        [buffer for name, buffer in hf_model.named_buffers() if name.endswith("e_score_correction_bias")]
+    )
+
+
 @pytest.fixture
-def biased_world(world, tmp_path):
+def biased_world(world, tmp_path, make_hf_model):
     ranks = world(4)
-    register_biased_family()
-    ranks.execute(register_biased_family)
-    from raymoe.driver.tiny import TINY_MOE_CONFIG
-
-    raw = {**TINY_MOE_CONFIG, "model_type": BIASED, "architectures": ["BiasedMoe"]}
-    torch.manual_seed(0)
-    model = build_model(parse_model_config(raw), device="cpu")
+    model = make_hf_model(BIASED)
     with torch.no_grad():
-        for router in routers(model):
-            router.e_score_correction_bias.copy_(torch.linspace(-0.01, 0.01, 8))
-    save_model(model, tmp_path / "biased")
-    yield ranks, tmp_path / "biased"
-    unregister_biased_family()
-    if ranks.is_alive:
-        ranks.execute(unregister_biased_family)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.linspace(-0.01, 0.01, 8))
+    model.save_pretrained(tmp_path / "biased")
+    return ranks, tmp_path / "biased"
 
 
-def test_bias_balancing_moves_the_same_biases_on_every_rank_and_they_survive_a_checkpoint(biased_world, tmp_path):
+def test_bias_balancing_moves_the_same_biases_on_every_rank_and_they_survive_a_checkpoint(
+    biased_world, tmp_path, load_hf_model
+):
+    """GLM-4.5's e_score_correction_bias is the tensor bias balancing moves; transformers reads the moved one."""
     ranks, directory = biased_world
     rate = 0.01
     start = torch.stack([torch.linspace(-0.01, 0.01, 8)] * 2)
@@ -242,6 +222,7 @@ def test_bias_balancing_moves_the_same_biases_on_every_rank_and_they_survive_a_c
         torch.testing.assert_close(
             torch.stack([r.e_score_correction_bias.detach() for r in routers(single)]), finals[str(layout)]
         )
+        assert torch.equal(hub_biases(load_hf_model(tmp_path / "saved")), finals[str(layout)])
         with raymoe.from_pretrained(tmp_path / "saved", distributed_config=config, world=ranks) as again:
             assert torch.equal(again.run_on_ranks(biases)[0], finals[str(layout)])
     first, second = finals.values()

@@ -2,6 +2,7 @@
 
 import sys
 
+import torch
 import torch.distributed as dist
 from ray import cloudpickle
 
@@ -16,6 +17,7 @@ def timeouts(ctx):
     from raymoe.rank.context import group_timeout_s
 
     seen = {"world": group_timeout_s(dist.group.WORLD, ctx.device)}
+    seen["checkpoint"] = group_timeout_s(ctx.checkpoint_group(), torch.device("cpu"))  # DCP's gloo group
     for mesh in (ctx.dense_mesh, ctx.expert_mesh):
         for axis in mesh.mesh_dim_names:
             seen[axis] = group_timeout_s(mesh.get_group(axis), ctx.device)
@@ -28,5 +30,5 @@ def test_every_sub_mesh_group_carries_the_world_timeout(load_on_world, tiny_chec
         seen = model.run_on_ranks(timeouts)
     assert len(seen) == 4
     for rank_timeouts in seen:
-        assert set(rank_timeouts) == {"world", "dp_replicate", "fsdp", "tp", "efsdp", "ep"}
+        assert set(rank_timeouts) == {"world", "checkpoint", "dp_replicate", "fsdp", "tp", "efsdp", "ep"}
         assert set(rank_timeouts.values()) == {SESSION_TIMEOUT_S}, rank_timeouts

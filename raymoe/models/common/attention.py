@@ -1,12 +1,18 @@
 """Grouped-query self-attention with a KV cache and the variants the families need.
 
-Optional parts: per-head q/k RMSNorm (Qwen3), a sliding window (Mixtral, gpt-oss's
-``sliding_attention`` layers) and learned sinks (gpt-oss)::
+Optional parts: per-head q/k RMSNorm (Qwen3, GLM-4.5), a sliding window (Mixtral, gpt-oss's
+``sliding_attention`` layers), learned sinks (gpt-oss), RoPE on the first ``rotary_dim`` channels of
+each head only (GLM-4.5's partial rotary) and biases on q/k/v without one on o (Qwen2-MoE, GLM-4.5)::
 
     scores [B, Hq, S, L] = q k^T * scale, masked: key position p is visible to the query at
     position t when p <= t and, with a window W, p > t - W
     sinks: one logit per head appended to every row before the softmax, then dropped, so it
     takes probability mass without adding a value:  softmax([scores | sink_h])[..., :L] @ v
+
+Packed rows (document masking, :mod:`raymoe.models.common.packing`): a query sees only the keys of
+its own document. The documents are unpacked into rows of their own, so windows and sinks act inside
+each document exactly as on the document alone; tensor parallelism needs nothing for it (every head of
+a rank regroups the same tokens).
 
 Shape legend: ``B`` batch, ``S`` new tokens, ``L`` attended positions (cached + new), ``D``
 head dim, ``Hq``/``Hkv`` query and key/value heads, ``H`` hidden size. Head counts are read
@@ -23,6 +29,7 @@ from torch import Tensor, nn
 from raymoe.models.common.config import ModelConfig
 from raymoe.models.common.kv_cache import LayerKVCache
 from raymoe.models.common.norm import RMSNorm
+from raymoe.models.common.packing import PackedDocuments, packed_attention
 from raymoe.models.common.rope import apply_rope
 from raymoe.models.common.shard_hints import SHARD_BLOCK_ATTR
 
@@ -33,13 +40,15 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.head_dim = config.head_dim
+        self.rotary_dim = config.rope_dim  # GLM-4.5: RoPE on the first rotary_dim channels of each head only
         self.scale = config.head_dim**-0.5
         self.sliding_window = config.attention_window(layer_idx)
         hidden, bias = config.hidden_size, config.attention_bias
         self.q_proj = nn.Linear(hidden, config.num_attention_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, config.num_key_value_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, config.num_key_value_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, hidden, bias=bias)
+        out_bias = bias if config.attention_output_bias is None else config.attention_output_bias
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, hidden, bias=out_bias)
         for projection in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
             # Tensor parallelism may split these only into whole heads; styles check it in validate_param.
             setattr(projection, SHARD_BLOCK_ATTR, self.head_dim)
@@ -57,29 +66,48 @@ class Attention(nn.Module):
         cache: LayerKVCache | None = None,
         start: int = 0,
         key_mask_BL: Tensor | None = None,
+        documents: PackedDocuments | None = None,
     ) -> Tensor:
         """``start`` is the index of the first new token (the number of tokens already in ``cache``);
-        ``key_mask [B, L]`` (True: a real token) hides left padding from every query."""
+        ``key_mask [B, L]`` (True: a real token) hides left padding from every query; ``documents`` (packed
+        rows, no cache) confines each query to its own document."""
         batch, seq, _ = x_BSH.shape
         q_BSHqD = self.q_proj(x_BSH).view(batch, seq, -1, self.head_dim)
         k_BSHkvD = self.k_proj(x_BSH).view(batch, seq, -1, self.head_dim)
         v_BSHkvD = self.v_proj(x_BSH).view(batch, seq, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q_BSHqD, k_BSHkvD = self.q_norm(q_BSHqD), self.k_norm(k_BSHkvD)
-        q = apply_rope(q_BSHqD.transpose(1, 2), cos_SD, sin_SD)
-        k = apply_rope(k_BSHkvD.transpose(1, 2), cos_SD, sin_SD)
+        q = apply_partial_rope(q_BSHqD.transpose(1, 2), cos_SD, sin_SD, self.rotary_dim)
+        k = apply_partial_rope(k_BSHkvD.transpose(1, 2), cos_SD, sin_SD, self.rotary_dim)
         v = v_BSHkvD.transpose(1, 2)
-        if cache is not None:
-            k, v = cache.update(k, v, start)
-        if self.sinks is None and self.sliding_window is None and key_mask_BL is None:
-            out_BHqSD = _causal_attention(q, k, v, start, self.scale)
+        if documents is not None:
+            out_BHqSD = packed_attention(q, k, v, documents, lambda q_, k_, v_: self._attend(q_, k_, v_, 0))
         else:
-            out_BHqSD = _masked_attention(q, k, v, start, self.scale, self.sliding_window, self.sinks, key_mask_BL)
+            if cache is not None:
+                k, v = cache.update(k, v, start)
+            out_BHqSD = self._attend(q, k, v, start, key_mask_BL)
         out_BSH: Tensor = self.o_proj(out_BHqSD.transpose(1, 2).reshape(batch, seq, -1))
         return out_BSH
 
+    def _attend(
+        self, q_BHqSD: Tensor, k_BHkvLD: Tensor, v_BHkvLD: Tensor, start: int, key_mask_BL: Tensor | None = None
+    ) -> Tensor:
+        if self.sinks is None and self.sliding_window is None and key_mask_BL is None:
+            return causal_attention(q_BHqSD, k_BHkvLD, v_BHkvLD, start, self.scale)
+        return masked_attention(
+            q_BHqSD, k_BHkvLD, v_BHkvLD, start, self.scale, self.sliding_window, self.sinks, key_mask_BL
+        )
 
-def _causal_attention(q_BHqSD: Tensor, k_BHkvLD: Tensor, v_BHkvLD: Tensor, start: int, scale: float) -> Tensor:
+
+def apply_partial_rope(x_BHSD: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int) -> Tensor:
+    """RoPE on the first ``rotary_dim`` channels of each head (``cos/sin`` of that width); the rest pass as they are."""
+    if rotary_dim == x_BHSD.shape[-1]:
+        return apply_rope(x_BHSD, cos, sin)
+    rotated, passed = x_BHSD.split([rotary_dim, x_BHSD.shape[-1] - rotary_dim], dim=-1)
+    return torch.cat((apply_rope(rotated, cos, sin), passed), dim=-1)
+
+
+def causal_attention(q_BHqSD: Tensor, k_BHkvLD: Tensor, v_BHkvLD: Tensor, start: int, scale: float) -> Tensor:
     """Query ``i`` (position ``start + i``) attends to keys at positions ``<= start + i``."""
     k_BHkvLD, v_BHkvLD = _expand_kv(q_BHqSD, k_BHkvLD, v_BHkvLD)
     seq, length = q_BHqSD.shape[2], k_BHkvLD.shape[2]
@@ -92,7 +120,7 @@ def _causal_attention(q_BHqSD: Tensor, k_BHkvLD: Tensor, v_BHkvLD: Tensor, start
     return F.scaled_dot_product_attention(q_BHqSD, k_BHkvLD, v_BHkvLD, attn_mask=allowed_SL, scale=scale)
 
 
-def _masked_attention(
+def masked_attention(
     q_BHqSD: Tensor,
     k_BHkvLD: Tensor,
     v_BHkvLD: Tensor,

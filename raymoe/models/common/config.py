@@ -58,6 +58,14 @@ class ConfigDefaults:
     # rope_scaling nor rope_parameters (gpt-oss: YaRN).
     rope_theta: float = 10_000.0
     rope_parameters: Mapping[str, Any] | None = None
+    # Partial rotary embeddings (GLM-4.5): the family's partial_rotary_factor where config.json has none;
+    # None: the family rotates whole heads, and a factor != 1 is refused.
+    partial_rotary_factor: float | None = None
+    # DeepSeek-V3-style routing (DeepSeek-V3, GLM-4.5): sigmoid scores, group-limited choice, routed
+    # scaling, shared experts and the first layers dense. None: the family routes by softmax. Otherwise the
+    # family's defaults for n_group, topk_group, routed_scaling_factor, n_shared_experts and
+    # first_k_dense_replace, read when config.json leaves them out.
+    grouped_sigmoid_routing: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -107,10 +115,44 @@ class MoeConfig:
     router_bias: bool = False
     expert_bias: bool = False
     activation: GatedActivation = SWIGLU
+    # Router scoring: "softmax" over all experts, or "sigmoid" per expert (DeepSeek-V3, GLM-4.5), then
+    # top-k within the best `topk_group` of `n_group` expert groups (a group scores the sum of its two
+    # best experts), and the kept weights times `routed_scaling_factor`.
+    scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # Shared experts: a dense SwiGLU of this width every token runs besides the routed ones (0: none);
+    # with `shared_expert_gate` its output is scaled by sigmoid(x @ w), w [1, H] (Qwen2-MoE).
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
 
     def is_sparse(self, layer_idx: int) -> bool:
         """Layer ``layer_idx`` routes through experts, unless listed in ``mlp_only_layers`` or off-step."""
         return layer_idx not in self.mlp_only_layers and (layer_idx + 1) % self.decoder_sparse_step == 0
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): low-rank query and key/value projections.
+
+    Each head's query and key are ``qk_nope_head_dim`` channels without position plus ``qk_rope_head_dim``
+    rotated ones; the rotated key part is one per token, shared by every head. ``q_lora_rank`` None: a
+    plain ``q_proj``. ``rope_interleave``: the rotated channels pair as (0, 1), (2, 3), ... (else as
+    (i, i + d/2)). ``softmax_scale`` multiplies ``q k^T`` (``(nope + rope)^-0.5``, times YaRN's mscale^2).
+    """
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    softmax_scale: float
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -130,6 +172,8 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    # o_proj's bias when it differs from q/k/v's (Qwen2-MoE, GLM-4.5: biases on q/k/v only); None: attention_bias.
+    attention_output_bias: bool | None = None
     mlp_bias: bool = False
     qk_norm: bool = False
     initializer_range: float = 0.02
@@ -142,10 +186,21 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     # gpt-oss: a learned per-head logit that takes softmax mass in every attention row.
     attention_sinks: bool = False
+    # Partial rotary embeddings (GLM-4.5): only the first rotary_dim channels of each head rotate (None: all).
+    rotary_dim: int | None = None
+    # DeepSeek-V3's multi-head latent attention in place of grouped-query attention.
+    mla: MlaConfig | None = None
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def layer_is_sparse(self, layer_idx: int) -> bool:
         return self.moe is not None and self.moe.is_sparse(layer_idx)
+
+    @property
+    def rope_dim(self) -> int:
+        """Channels of a head that RoPE rotates: MLA's rope part, a partial rotary share, or the whole head."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return self.rotary_dim if self.rotary_dim is not None else self.head_dim
 
     def attention_window(self, layer_idx: int) -> int | None:
         """The sliding window of layer ``layer_idx``, or None for full causal attention."""
@@ -173,7 +228,7 @@ def parse_decoder_config(raw: Mapping[str, Any], defaults: ConfigDefaults) -> Mo
     """Build a :class:`ModelConfig` from the dict of a ``config.json`` of a family with ``defaults``."""
     model_type = str(raw.get("model_type"))
     fields = ConfigFields(raw, model_type)
-    _reject_unimplemented(fields)
+    _reject_unimplemented(fields, defaults)
     hidden_size = fields.positive_int("hidden_size")
     num_heads = fields.positive_int("num_attention_heads")
     num_kv_heads = fields.positive_int("num_key_value_heads", default=num_heads)
@@ -184,6 +239,7 @@ def parse_decoder_config(raw: Mapping[str, Any], defaults: ConfigDefaults) -> Mo
     max_positions = fields.positive_int("max_position_embeddings", default=defaults.max_position_embeddings)
     num_layers = fields.positive_int("num_hidden_layers")
     sliding_window, layer_types = _parse_sliding_window(fields, defaults, num_layers)
+    head_dim = fields.positive_int("head_dim", default=defaults.head_dim or hidden_size // num_heads)
     config = ModelConfig(
         model_type=model_type,
         vocab_size=fields.positive_int("vocab_size"),
@@ -192,7 +248,7 @@ def parse_decoder_config(raw: Mapping[str, Any], defaults: ConfigDefaults) -> Mo
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        head_dim=fields.positive_int("head_dim", default=defaults.head_dim or hidden_size // num_heads),
+        head_dim=head_dim,
         rms_norm_eps=fields.positive_float("rms_norm_eps", default=defaults.rms_norm_eps),
         rope=_parse_rope(fields, max_positions, defaults),
         max_position_embeddings=max_positions,
@@ -206,6 +262,7 @@ def parse_decoder_config(raw: Mapping[str, Any], defaults: ConfigDefaults) -> Mo
         eos_token_ids=fields.token_ids("eos_token_id"),
         sliding_window=sliding_window,
         layer_types=layer_types,
+        rotary_dim=_parse_rotary_dim(fields, defaults, head_dim),
         raw=dict(raw),
     )
     if config.head_dim % 2:
@@ -242,7 +299,31 @@ def _parse_sliding_window(
     return window, tuple(kinds)
 
 
-def _reject_unimplemented(fields: ConfigFields) -> None:
+def _rope_dict(fields: ConfigFields) -> Any:
+    return fields.get("rope_scaling", None) or fields.get("rope_parameters", None)
+
+
+def _parse_rotary_dim(fields: ConfigFields, defaults: ConfigDefaults, head_dim: int) -> int | None:
+    """``int(head_dim * partial_rotary_factor)`` (the rope dict's factor, else the top-level one, else the family's),
+    or None when every channel rotates."""
+    if defaults.partial_rotary_factor is None:
+        return None
+    params = _rope_dict(fields)
+    factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    if factor is None:
+        factor = fields.get("partial_rotary_factor", defaults.partial_rotary_factor)
+    if not _is_number(factor) or not 0 < factor <= 1:
+        raise ValueError(f"config.json partial_rotary_factor must be a number in (0, 1], got {factor!r}")
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise ValueError(
+            f"config.json partial_rotary_factor={factor} of head_dim={head_dim} rotates {rotary_dim} channels; "
+            "rotary embeddings need an even number of at least 2"
+        )
+    return None if rotary_dim == head_dim else rotary_dim
+
+
+def _reject_unimplemented(fields: ConfigFields, defaults: ConfigDefaults) -> None:
     """Fields whose non-default value changes the model in a way raymoe does not implement."""
     if fields.get("hidden_act", "silu") not in ("silu", "swish"):  # two names of one function
         raise ValueError(f"config.json hidden_act={fields.get('hidden_act', None)!r}: only 'silu' is implemented")
@@ -250,14 +331,20 @@ def _reject_unimplemented(fields: ConfigFields) -> None:
         raise ValueError("config.json use_sliding_window=true: sliding-window attention is not implemented in raymoe")
     if fields.get("attention_dropout", 0.0):
         raise ValueError("config.json attention_dropout != 0: attention dropout is not implemented in raymoe")
-    if fields.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("config.json partial_rotary_factor != 1: partial rotary embeddings are not implemented")
+    params = _rope_dict(fields)
+    partial = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    partial = fields.get("partial_rotary_factor", 1.0) if partial is None else partial
+    if defaults.partial_rotary_factor is None and partial != 1.0:
+        raise ValueError(
+            f"config.json partial_rotary_factor={partial!r}: partial rotary embeddings are not implemented for "
+            f"model_type={fields.model_type!r}"
+        )
 
 
 def _parse_moe(fields: ConfigFields, defaults: ConfigDefaults) -> MoeConfig:
     # transformers writes num_experts as num_local_experts (its attribute_map); hub configs use num_experts.
-    experts_key = (
-        "num_local_experts" if "num_experts" not in fields.raw and "num_local_experts" in fields.raw else "num_experts"
+    experts_key = next(
+        (key for key in ("num_experts", "n_routed_experts", "num_local_experts") if key in fields.raw), "num_experts"
     )
     num_experts = fields.positive_int(experts_key)
     top_k = fields.positive_int("num_experts_per_tok")
@@ -267,6 +354,9 @@ def _parse_moe(fields: ConfigFields, defaults: ConfigDefaults) -> MoeConfig:
     mlp_only = fields.get("mlp_only_layers", None) or []
     if not isinstance(mlp_only, list) or not all(_is_int(i) and 0 <= i < num_layers for i in mlp_only):
         raise ValueError(f"config.json mlp_only_layers={mlp_only!r} must list layer indices in [0, {num_layers})")
+    routing: dict[str, Any] = {}
+    if defaults.grouped_sigmoid_routing is not None:
+        routing, mlp_only = _parse_grouped_sigmoid_routing(fields, defaults.grouped_sigmoid_routing, num_experts, top_k)
     return MoeConfig(
         num_experts=num_experts,
         num_experts_per_tok=top_k,
@@ -277,7 +367,53 @@ def _parse_moe(fields: ConfigFields, defaults: ConfigDefaults) -> MoeConfig:
         output_router_logits=fields.boolean("output_router_logits", default=False),
         router_aux_loss_coef=fields.non_negative_float("router_aux_loss_coef", default=0.001),
         selection_bias=defaults.router_selection_bias,
+        **routing,
     )
+
+
+def _parse_grouped_sigmoid_routing(
+    fields: ConfigFields, family: Mapping[str, Any], num_experts: int, top_k: int
+) -> tuple[dict[str, Any], list[int]]:
+    """DeepSeek-V3-style routing: the :class:`MoeConfig` fields it sets and the dense first layers."""
+
+    def count(key: str) -> int:  # a non-negative integer field
+        value = fields.get(key, family[key])
+        if not _is_int(value) or value < 0:
+            raise ValueError(f"config.json field {key!r} must be an integer >= 0, got {value!r}")
+        return int(value)
+
+    n_group, topk_group = (
+        fields.positive_int("n_group", family["n_group"]),
+        fields.positive_int("topk_group", family["topk_group"]),
+    )
+    if num_experts % n_group:
+        raise ValueError(f"config.json n_group={n_group} must divide the {num_experts} routed experts")
+    if topk_group > n_group:
+        raise ValueError(f"config.json topk_group={topk_group} exceeds n_group={n_group}")
+    per_group = num_experts // n_group
+    if n_group > 1 and per_group < 2:
+        raise ValueError(
+            f"config.json n_group={n_group}: each group needs at least 2 of the {num_experts} experts (a group scores "
+            "its two best)"
+        )
+    if n_group > 1 and top_k > topk_group * per_group:
+        raise ValueError(
+            f"config.json num_experts_per_tok={top_k} exceeds the {topk_group * per_group} experts of topk_group="
+            f"{topk_group} groups of {per_group}"
+        )
+    first_dense = count("first_k_dense_replace")
+    num_layers = fields.positive_int("num_hidden_layers")
+    if first_dense > num_layers:
+        raise ValueError(f"config.json first_k_dense_replace={first_dense} exceeds num_hidden_layers={num_layers}")
+    shared = count("n_shared_experts")
+    routing = {
+        "scoring": "sigmoid",
+        "n_group": n_group,
+        "topk_group": topk_group,
+        "routed_scaling_factor": fields.positive_float("routed_scaling_factor", family["routed_scaling_factor"]),
+        "shared_expert_intermediate_size": shared * fields.positive_int("moe_intermediate_size"),
+    }
+    return routing, list(range(first_dense))
 
 
 def _norm_topk_prob(fields: ConfigFields, defaults: ConfigDefaults) -> bool:

@@ -23,6 +23,7 @@ from raymoe.models.common.config import ModelConfig
 from raymoe.models.common.hub_layout import HubLayout
 from raymoe.models.common.kv_cache import KVCache, LayerKVCache
 from raymoe.models.common.norm import RMSNorm
+from raymoe.models.common.packing import PackedDocuments, pack_documents
 from raymoe.models.common.plans import DefaultPlans
 from raymoe.models.common.rope import rope_cos_sin
 from raymoe.models.moe import GroupedExperts, TopKRouter
@@ -31,9 +32,12 @@ from raymoe.models.moe import GroupedExperts, TopKRouter
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: ``x + attn(norm(x))``, then ``h + mlp(norm(h))``. ``[B, S, H]`` in and out."""
 
-    def __init__(self, config: ModelConfig, mlp: nn.Module, layer_idx: int = 0) -> None:
+    def __init__(
+        self, config: ModelConfig, mlp: nn.Module, layer_idx: int = 0, attention: nn.Module | None = None
+    ) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
+        # Any module with Attention's forward (DeepSeek-V3's multi-head latent attention); grouped-query by default.
+        self.self_attn = attention if attention is not None else Attention(config, layer_idx)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -46,8 +50,10 @@ class DecoderLayer(nn.Module):
         cache: LayerKVCache | None = None,
         start: int = 0,
         key_mask_BL: Tensor | None = None,
+        documents: PackedDocuments | None = None,
     ) -> Tensor:
-        h_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos_SD, sin_SD, cache, start, key_mask_BL)
+        attn_in_BSH = self.input_layernorm(x_BSH)
+        h_BSH = x_BSH + self.self_attn(attn_in_BSH, cos_SD, sin_SD, cache, start, key_mask_BL, documents)
         out_BSH: Tensor = h_BSH + self.mlp(self.post_attention_layernorm(h_BSH))
         return out_BSH
 
@@ -63,20 +69,36 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, input_ids_BS: Tensor, cache: KVCache | None = None, attention_mask_BS: Tensor | None = None
+        self,
+        input_ids_BS: Tensor,
+        cache: KVCache | None = None,
+        attention_mask_BS: Tensor | None = None,
+        document_ids_BS: Tensor | None = None,
     ) -> Tensor:
         """With ``cache``, the tokens continue the cached ones: positions start at ``cache.length``.
 
         ``attention_mask [B, S]`` (1: a real token, 0: left padding) gives each row its own positions
         (its real tokens count from 0) and hides the padding from attention, here and in later cached steps.
+        ``document_ids [B, S]`` packs several documents into a row (:mod:`raymoe.models.common.packing`):
+        positions restart at each document and attention stays inside it, so each document's hidden states
+        are those it would have alone. Padding is then a document of its own, or at a row's end (where no real
+        token sees it): ``attention_mask`` is not read.
         """
         start = cache.length if cache is not None else 0
         x_BSH = self.embed_tokens(input_ids_BS)
-        positions, key_mask_BL = _positions(input_ids_BS, cache, attention_mask_BS, start)
-        cos_SD, sin_SD = rope_cos_sin(self.config.rope, self.config.head_dim, positions, x_BSH.dtype)
+        documents = None
+        key_mask_BL: Tensor | None
+        if document_ids_BS is not None:
+            if cache is not None:
+                raise ValueError("document_ids packs documents for training and evaluation; it takes no KV cache")
+            documents = pack_documents(document_ids_BS)
+            positions, key_mask_BL = documents.positions_BS, None
+        else:
+            positions, key_mask_BL = _positions(input_ids_BS, cache, attention_mask_BS, start)
+        cos_SD, sin_SD = rope_cos_sin(self.config.rope, self.config.rope_dim, positions, x_BSH.dtype)
         for i, layer in enumerate(self.layers):
             layer_cache = cache.layers[i] if cache is not None else None
-            x_BSH = layer(x_BSH, cos_SD, sin_SD, layer_cache, start, key_mask_BL)
+            x_BSH = layer(x_BSH, cos_SD, sin_SD, layer_cache, start, key_mask_BL, documents)
         if cache is not None:
             cache.advance(input_ids_BS.shape[1])
         out_BSH: Tensor = self.norm(x_BSH)
@@ -113,10 +135,18 @@ class CausalLM(nn.Module, ABC):
         if config.model_type != self.model_type:
             raise ValueError(f"{type(self).__name__} builds model_type {self.model_type!r}, got {config.model_type!r}")
         self.config = config
-        layers = [DecoderLayer(config, self.build_mlp(config, i), i) for i in range(config.num_hidden_layers)]
+        layers = [
+            DecoderLayer(config, self.build_mlp(config, i), i, self.build_attention(config, i))
+            for i in range(config.num_hidden_layers)
+        ]
         self.model = DecoderModel(config, layers)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+
+    def build_attention(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        """The self-attention of layer ``layer_idx``: any module with :class:`Attention`'s forward (``[B, S, H]``
+        in and out, with rope, cache, padding and packed-document arguments). Grouped-query by default."""
+        return Attention(config, layer_idx)
 
     @abstractmethod
     def build_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
@@ -132,10 +162,12 @@ class CausalLM(nn.Module, ABC):
         cache: KVCache | None = None,
         attention_mask_BS: Tensor | None = None,
         positions_B: Tensor | None = None,
+        document_ids_BS: Tensor | None = None,
     ) -> Tensor:
         """``logits [B, S, V]``; with ``positions_B``, only row ``b``'s position ``positions_B[b]``: ``[B, V]``
-        (the head never sees the other positions). One call through the root module, as FSDP2 requires."""
-        hidden_BSH = self.model(input_ids_BS, cache, attention_mask_BS)
+        (the head never sees the other positions). One call through the root module, as FSDP2 requires.
+        ``document_ids [B, S]``: packed rows, each document attending only to itself (:mod:`.packing`)."""
+        hidden_BSH = self.model(input_ids_BS, cache, attention_mask_BS, document_ids_BS)
         if positions_B is not None:
             hidden_BSH = hidden_BSH[torch.arange(hidden_BSH.shape[0], device=hidden_BSH.device), positions_B]
         logits: Tensor = self.lm_head(hidden_BSH)

@@ -56,6 +56,13 @@ EXPERTS_EP = {
 LM_HEAD_TP = {"lm_head": "colwise_gather_output"}
 
 
+def shared_experts_tp(name: str) -> dict[str, str]:
+    """The shared experts' dense SwiGLU at ``model.layers.*.mlp.{name}``, split like a dense MLP (a gate on
+    them, Qwen2-MoE's ``shared_expert_gate [1, H]``, stays whole: its input and output are replicated)."""
+    prefix = f"model.layers.*.mlp.{name}"
+    return {f"{prefix}.gate_proj": "colwise", f"{prefix}.up_proj": "colwise", f"{prefix}.down_proj": "rowwise"}
+
+
 def fsdp_plan(tied_embeddings: bool) -> dict[str, str]:
     """Embedding and layers re-gathered for backward; final norm and head kept gathered.
 

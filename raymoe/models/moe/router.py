@@ -1,12 +1,18 @@
-"""Top-k softmax router, with an optional per-expert selection bias and an optional capacity limit.
+"""Top-k router (softmax or sigmoid scores), with an optional per-expert selection bias, group-limited
+choice and an optional capacity limit.
 
 Shape legend: ``T`` tokens, ``H`` hidden size, ``E`` experts, ``K`` experts per token, ``S`` tokens per
-sequence (the capacity unit).
+sequence (the capacity unit), ``G`` expert groups.
 
-    logits [T, E] = hidden @ weight.T (+ bias)   probs = softmax(logits) in float32
+    logits [T, E] = hidden @ weight.T (+ bias)
+    probs = softmax(logits) in float32, or sigmoid(logits) per expert (``scoring="sigmoid"``: DeepSeek-V3,
+            GLM-4.5; logits computed in float32 there)
     choice:  top-K of probs (+ selection_bias, if the family has one: DeepSeek-V3's
-             e_score_correction_bias; it moves the choice, never the weights)
-    weights: probs of the chosen experts (renormalised to sum to one with norm_topk_prob)
+             e_score_correction_bias; it moves the choice, never the weights); with ``n_group > 1`` only
+             among the experts of the ``topk_group`` best of ``G`` equal groups, a group scoring the sum
+             of its two best (biased) probs
+    weights: probs of the chosen experts (renormalised to sum to one with norm_topk_prob; sigmoid adds
+             1e-20 to the sum), times ``scaling`` (``routed_scaling_factor``)
     capacity (training only, optional): an expert takes at most C = ceil(cf * S * K / E) pairs of
              each sequence; the lowest-probability pairs beyond that are dropped (id - E < 0)
 
@@ -65,11 +71,35 @@ class TopKRouter(nn.Module):
         *,
         bias: bool = False,
         selection_bias: bool = False,
+        scoring: str = "softmax",
+        n_group: int = 1,
+        topk_group: int = 1,
+        scaling: float = 1.0,
     ) -> None:
         super().__init__()
+        if scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"router scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+        if num_experts % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(
+                f"router groups: {num_experts} experts in n_group={n_group} groups, topk_group={topk_group}: "
+                "n_group must divide the experts and topk_group lie in [1, n_group]"
+            )
+        if n_group > 1 and num_experts // n_group < 2:
+            raise ValueError(
+                f"router groups: each of n_group={n_group} groups needs at least 2 of {num_experts} experts"
+            )
+        if n_group > 1 and top_k > topk_group * (num_experts // n_group):
+            raise ValueError(
+                f"router: num_experts_per_tok={top_k} exceeds the {topk_group} x {num_experts // n_group} experts "
+                f"of the topk_group={topk_group} groups it may choose from"
+            )
         self.num_experts = num_experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
+        self.scoring = scoring
+        self.n_group = n_group
+        self.topk_group = topk_group
+        self.scaling = scaling
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
         # Not trained by the optimizer: bias balancing moves it after each step (SPEC LB-2).
@@ -91,12 +121,17 @@ class TopKRouter(nn.Module):
         ``sequence_length`` (``S``, with ``T = B * S``) is the capacity unit; without it a capacity
         factor cannot apply and the whole of ``T`` counts as one sequence.
         """
-        logits_TE = F.linear(hidden_TH, self.weight, self.bias)
-        probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
-        if self.e_score_correction_bias is None:
+        if self.scoring == "sigmoid":
+            bias = self.bias.float() if self.bias is not None else None
+            logits_TE = F.linear(hidden_TH.float(), self.weight.float(), bias)
+            probs_TE = torch.sigmoid(logits_TE)
+        else:
+            logits_TE = F.linear(hidden_TH, self.weight, self.bias)
+            probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+        if self.e_score_correction_bias is None and self.n_group == 1:
             topk_weights_TK, topk_ids_TK = torch.topk(probs_TE, self.top_k, dim=-1)
         else:
-            _, topk_ids_TK = torch.topk(probs_TE + self.e_score_correction_bias.float(), self.top_k, dim=-1)
+            _, topk_ids_TK = torch.topk(self._choice_scores(probs_TE), self.top_k, dim=-1)
             topk_weights_TK = probs_TE.gather(-1, topk_ids_TK)
         chosen_TK = topk_ids_TK
         dropped_TK = None
@@ -105,10 +140,27 @@ class TopKRouter(nn.Module):
             dropped_TK = over_capacity(chosen_TK, topk_weights_TK, length, self.num_experts, self.capacity_factor)
             topk_ids_TK = torch.where(dropped_TK, chosen_TK - self.num_experts, chosen_TK)  # < 0: skip the expert
         if self.norm_topk_prob:
-            topk_weights_TK = topk_weights_TK / topk_weights_TK.sum(dim=-1, keepdim=True)
+            tiny = 1e-20 if self.scoring == "sigmoid" else 0.0
+            topk_weights_TK = topk_weights_TK / (topk_weights_TK.sum(dim=-1, keepdim=True) + tiny)
+        if self.scaling != 1.0:
+            topk_weights_TK = topk_weights_TK * self.scaling
         if self.record and self.training:
             self.last_routing = RoutingRecord(probs_TE, chosen_TK.detach(), dropped_TK)
         return topk_ids_TK, topk_weights_TK.to(logits_TE.dtype), logits_TE
+
+    def _choice_scores(self, probs_TE: Tensor) -> Tensor:
+        """``[T, E]`` what the choice ranks: probs plus the selection bias, -inf outside the kept groups."""
+        scores_TE = probs_TE
+        if self.e_score_correction_bias is not None:
+            scores_TE = probs_TE + self.e_score_correction_bias.float()
+        if self.n_group == 1:
+            return scores_TE
+        tokens = scores_TE.shape[0]
+        grouped_TGX = scores_TE.view(tokens, self.n_group, -1)
+        group_scores_TG = grouped_TGX.topk(2, dim=-1).values.sum(dim=-1)
+        kept_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool)
+        kept_TG.scatter_(1, torch.topk(group_scores_TG, self.topk_group, dim=-1).indices, True)
+        return grouped_TGX.masked_fill(~kept_TG[:, :, None], float("-inf")).view(tokens, -1)
 
     @property
     def last_load(self) -> Tensor | None:
@@ -120,4 +172,9 @@ class TopKRouter(nn.Module):
     def extra_repr(self) -> str:
         bias = ", bias" if self.bias is not None else ""
         bias += ", selection_bias" if self.has_selection_bias else ""
-        return f"experts={self.num_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}{bias}"
+        groups = f", groups={self.topk_group}/{self.n_group}" if self.n_group > 1 else ""
+        scaling = f", scaling={self.scaling}" if self.scaling != 1.0 else ""
+        return (
+            f"experts={self.num_experts}, top_k={self.top_k}, scoring={self.scoring}, "
+            f"norm_topk_prob={self.norm_topk_prob}{bias}{groups}{scaling}"
+        )

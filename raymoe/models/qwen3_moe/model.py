@@ -14,7 +14,7 @@ from torch import nn
 
 from raymoe.models.common.config import ModelConfig, MoeConfig
 from raymoe.models.common.decoder import CausalLM
-from raymoe.models.common.hub_layout import Concat, HubLayout, Stack
+from raymoe.models.common.hub_layout import HubLayout, per_expert_layout
 from raymoe.models.common.mlp import FeedForward
 from raymoe.models.common.plans import DefaultPlans
 from raymoe.models.moe import SparseMoeBlock
@@ -41,10 +41,5 @@ class Qwen3MoeForCausalLM(CausalLM):
     def hub_layout(self, available: Collection[str] | None = None) -> HubLayout:
         layout = super().hub_layout(available)
         for i in self.sparse_layers():
-            prefix = f"model.layers.{i}.mlp.experts"
-            experts = range(self.moe.num_experts)
-            layout[f"{prefix}.gate_up_proj"] = Stack(
-                tuple(Concat((f"{prefix}.{e}.gate_proj.weight", f"{prefix}.{e}.up_proj.weight")) for e in experts)
-            )
-            layout[f"{prefix}.down_proj"] = Stack(tuple(f"{prefix}.{e}.down_proj.weight" for e in experts))
+            layout.update(per_expert_layout(f"model.layers.{i}.mlp.experts", self.moe.num_experts))
         return layout

@@ -1,0 +1,165 @@
+"""Hangs named in seconds: a frozen rank process, and a rank that never enters the collective the others wait in.
+
+The first tests read synthetic progress reports (no Ray); the last two freeze or stall a real rank on a local
+Ray and check what the driver raises, how fast, and that nothing is left running.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from ray import cloudpickle
+
+from actors import GroupOptions, RankHangError, RayRankGroup
+from actors.hang import diagnose
+from raymoe import DistributedConfig, build_topology
+from raymoe.rank.progress import GroupProgress, RankProgress
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+TP2_FSDP2 = build_topology(DistributedConfig(tp_size=2, fsdp_size=2))
+
+
+def report(rank, function="train_step", **groups):
+    """``groups``: desc -> (name, entered, finished, op)."""
+    return RankProgress(
+        rank,
+        function,
+        30.0,
+        tuple(
+            GroupProgress(name, desc, entered, finished, op, 30.0)
+            for desc, (name, entered, finished, op) in groups.items()
+        ),
+    )
+
+
+def test_a_rank_missing_from_a_tp_collective_is_named_with_its_sub_mesh():
+    reports = {
+        0: report(0, mesh_tp=("3", 17, 16, "all_reduce")),
+        1: report(1, mesh_tp=("3", 16, 16, "all_reduce")),  # never entered #17
+        2: report(2, mesh_tp=("4", 17, 17, "all_reduce")),
+        3: report(3, mesh_tp=("4", 17, 17, "all_reduce")),
+    }
+    diagnosis = diagnose("train_step", reports, TP2_FSDP2, 31.0)
+    assert diagnosis.absent == (1,) and diagnosis.frozen == () and diagnosis.culprits == (1,)
+    assert "rank 1 (dp_replicate=0, fsdp=0, tp=1, ep=0, efsdp=1) never reached the collective" in diagnosis.message
+    assert "running train_step, in no collective" in diagnosis.message
+    assert "rank 0 (dp_replicate=0, fsdp=0, tp=0, ep=0, efsdp=0) waited 30 s in all_reduce #17 on the tp sub-mesh" in (
+        diagnosis.message
+    )
+
+
+def test_a_silent_rank_is_frozen_and_ranks_in_other_groups_are_not_blamed():
+    reports = {
+        0: report(0, mesh_fsdp=("5", 3, 2, "_allgather_base")),
+        1: report(1, mesh_fsdp=("6", 3, 2, "_allgather_base")),
+        2: None,
+        3: report(3, mesh_fsdp=("6", 3, 3, "_allgather_base")),
+    }
+    diagnosis = diagnose("train_step", reports, TP2_FSDP2, 25.0)
+    assert diagnosis.frozen == (2,) and diagnosis.absent == ()
+    assert "rank 2 (dp_replicate=0, fsdp=1, tp=0, ep=0, efsdp=2) stopped responding" in diagnosis.message
+    assert [w.axis for w in diagnosis.waiting] == ["fsdp", "fsdp"]
+
+
+def test_a_world_collective_blames_every_rank_behind_and_nothing_is_invented():
+    waiting = {0: report(0, default_pg=("0", 5, 4, "barrier")), 1: report(1, default_pg=("0", 4, 4, "barrier"))}
+    assert diagnose("save", waiting, None, 12.0).absent == (1,)
+    idle = {0: report(0, default_pg=("0", 5, 5, "barrier")), 1: report(1, default_pg=("0", 5, 5, "barrier"))}
+    quiet = diagnose("save", idle, None, 12.0)
+    assert quiet.culprits == () and "No rank could be named" in quiet.message
+
+
+# --- on a local Ray ------------------------------------------------------------------------------
+
+
+def _address():
+    import ray
+
+    return ray.get_runtime_context().gcs_address
+
+
+def freeze_rank_one_at_next_forward(ctx):
+    """Rank 1 stops its own process (SIGSTOP) when the next forward starts: frozen inside train_step."""
+    if ctx.rank == 1:
+        model = ctx.require_model().model
+        model.register_forward_pre_hook(lambda *_: os.kill(os.getpid(), signal.SIGSTOP))
+    return os.getpid()
+
+
+def test_a_frozen_rank_is_named_within_40_s_and_nothing_is_left(ray_session, tiny_checkpoint):
+    from ray.util.state import list_actors, list_placement_groups
+
+    import raymoe
+
+    model = raymoe.from_pretrained(
+        tiny_checkpoint("moe_e8_k2_mha"),
+        distributed_config=DistributedConfig(tp_size=2, fsdp_size=2),
+        cpus_per_rank=0.25,
+        collective_timeout_s=20,
+    )
+    model.configure_training(lr=1e-3)
+    pids = model.run_on_ranks(freeze_rank_one_at_next_forward)
+    group = model._group
+    actors = {actor._actor_id.hex() for actor in group._actors}
+    placement = group._placement.group.id.hex()
+    began = time.monotonic()
+    with pytest.raises(RankHangError) as caught:
+        model.train_step(torch.randint(0, 96, (4, 8)))
+    took = time.monotonic() - began
+    print(f"frozen rank named after {took:.1f} s")  # shown with -s
+    assert took < 40
+    message = str(caught.value)
+    assert "rank 1 (dp_replicate=0, fsdp=0, tp=1, ep=0, efsdp=1) stopped responding" in message, message
+    assert caught.value.diagnosis.frozen == (1,) and caught.value.diagnosis.culprits == (1,), message
+    assert not model.is_alive
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        alive = {a.actor_id for a in list_actors(address=_address(), filters=[("state", "=", "ALIVE")])}
+        groups = {g.placement_group_id for g in list_placement_groups(address=_address()) if g.state != "REMOVED"}
+        processes = [pid for pid in pids if _exists(pid)]
+        if not (alive & actors) and placement not in groups and not processes:
+            break
+        time.sleep(0.5)
+    assert not (alive & actors) and placement not in groups, "actors or the placement group outlived the hang"
+    assert not processes, f"rank processes {processes} outlived the hang (the frozen one among them?)"
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie is gone, only not yet reaped
+        return stat.read().split()[2] != "Z"
+
+
+def rank_one_skips_the_tp_all_reduce(ctx):
+    if ctx.rank == 1:
+        time.sleep(120)  # stuck elsewhere: a storage read, a loop
+        return ctx.rank
+    total = torch.ones(1)
+    dist.all_reduce(total, group=ctx.mesh("tp").get_group())
+    return ctx.rank
+
+
+def test_a_rank_that_skips_a_collective_is_named_with_the_sub_mesh_and_collective(ray_session):
+    group = RayRankGroup.for_topology(
+        TP2_FSDP2, GroupOptions(collective_timeout_s=10, placement_timeout_s=30, cpus_per_rank=0.25)
+    )
+    began = time.monotonic()
+    with pytest.raises(RankHangError) as caught:
+        group.execute(rank_one_skips_the_tp_all_reduce)
+    assert time.monotonic() - began < 30
+    message = str(caught.value)
+    assert caught.value.diagnosis.absent == (1,), message
+    assert "rank 1 (dp_replicate=0, fsdp=0, tp=1, ep=0, efsdp=1) never reached the collective" in message
+    assert "running rank_one_skips_the_tp_all_reduce" in message
+    assert "waited" in message and "all_reduce #" in message and "on the tp sub-mesh" in message
+    assert not group.is_alive
