@@ -1,10 +1,11 @@
 """What document-masked packing costs a training step against plain packing (issue 20).
 
-Plain packing runs attention as SDPA's ``is_causal`` kernel; document packing hands SDPA a boolean
-block-diagonal causal mask ``[B, 1, S, S]`` (positions restarting at each document), which rules out the
-mask-free fast kernels. This script times one rank's forward + backward of the same rows both ways, in this
-process (on 2 cores a distributed step's Ray and gloo noise is larger than the difference), at several
-shapes: every row of the table is reported.
+Plain packing runs attention over the whole row (SDPA's ``is_causal`` kernel); document packing regroups each
+row's documents into padded batches of similar length and runs the same causal attention on each
+(:mod:`raymoe.models.common.packing`; positions restart at each document), so it skips the scores between
+documents (an SDPA boolean block mask was measured first and was slower). This script times one rank's forward
++ backward of the same rows both ways, in this process (on 2 cores a distributed step's Ray and gloo noise is
+larger than the difference), at several shapes: every row of the table is reported.
 
     model     the embedded demo model (``--model tiny``: hidden 96, 2 layers, 8 experts) or a wider dense-attention
               Qwen3-MoE (``--model wide``: hidden 512, 4 layers, 8 heads of 64) where attention is a larger share

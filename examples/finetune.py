@@ -203,6 +203,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     state.add_argument(
         "--async-save", action="store_true", help="write each state while training goes on (the next save waits)"
     )
+    state.add_argument(
+        "--max-failures",
+        type=int,
+        default=0,
+        help="restart ranks that die or hang up to this many times, going on from the newest state (default: "
+        "%(default)s: the first failure ends the run)",
+    )
     start = state.add_mutually_exclusive_group()
     start.add_argument(
         "--resume",
@@ -291,6 +298,7 @@ def trainer_config(args: argparse.Namespace) -> raymoe.TrainerConfig:
         async_save=args.async_save,
         resume_from="latest" if args.resume else args.resume_from,
         overwrite=args.overwrite,
+        max_failures=args.max_failures,
     )
 
 
@@ -375,6 +383,10 @@ def main(argv: list[str] | None = None) -> int:
         # A rank failed while running: which rank, where and why in one line; its traceback with --debug.
         detail = str(exc) if args.debug else f"{str(exc).splitlines()[0]} (--debug shows the rank's traceback)"
         print(f"finetune.py: rank failure: {detail}", file=sys.stderr)
+        return 1
+    except raymoe.TrainingFailed as exc:
+        # More failures than --max-failures: the cause and the newest state to resume from, in one line.
+        print(f"finetune.py: training failed: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:
         # Ctrl-C / SIGTERM: the Trainer stopped at a step boundary (and saved the state), or a second one stopped at

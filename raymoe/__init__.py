@@ -12,7 +12,7 @@ from raymoe.checkpoint.export import export_state
 from raymoe.driver.data import PackedData, TextTokenizer, load_dataset, load_tokenizer
 from raymoe.driver.handle import DistributedModel
 from raymoe.driver.tiny import build_tiny_checkpoint
-from raymoe.driver.trainer import Trainer, TrainerConfig, TrainingInterrupted, TrainSummary
+from raymoe.driver.trainer import Trainer, TrainerConfig, TrainingFailed, TrainingInterrupted, TrainSummary
 from raymoe.models.common.generation import generate
 from raymoe.parallel.styles import ExpertRole, ParallelStyle, register
 from raymoe.spec.config import DistributedConfig
@@ -31,6 +31,7 @@ __all__ = [
     "TrainSummary",
     "Trainer",
     "TrainerConfig",
+    "TrainingFailed",
     "TrainingInterrupted",
     "build_tiny_checkpoint",
     "build_topology",

@@ -208,6 +208,15 @@ def earlier_run(output_dir: str | os.PathLike[str]) -> list[str]:
     return held
 
 
+class TrainingFailed(RuntimeError):
+    """``fit()`` gave up: ranks failed once more than ``max_failures`` allows; ``state`` is the newest state (None:
+    none was saved), which a ``resume_from="latest"`` run continues from."""
+
+    def __init__(self, message: str, state: Path | None) -> None:
+        super().__init__(message)
+        self.state = state
+
+
 class TrainingInterrupted(KeyboardInterrupt):
     """``fit()`` stopped at a step boundary after SIGINT / SIGTERM; ``step`` and ``state`` (None: none saved) say
     where it stopped and what a ``resume_from`` run continues from."""
@@ -542,10 +551,11 @@ class Trainer:
         if self.config.max_failures == 0 or self.model.is_alive:
             return error
         state = latest_state(self.states_dir)
-        return RuntimeError(
+        return TrainingFailed(
             f"training failed again after {self.restarts} restart(s) (max_failures={self.config.max_failures}): "
             f"{_first_line(error)}. The newest training state is "
-            + (f"{state}: resume from it with resume_from='latest'" if state is not None else "none (no state saved)")
+            + (f"{state}: resume from it with resume_from='latest'" if state is not None else "none (no state saved)"),
+            state,
         )
 
     def _train_one_step(self) -> dict[str, Any]:

@@ -109,4 +109,5 @@ def test_one_failure_too_many_is_a_clear_error_and_the_state_stays(ray_session, 
     finally:
         model.shutdown()
     assert "step-00000004: resume from it with resume_from='latest'" in str(caught.value)
+    assert caught.value.state == tmp_path / "states" / "step-00000004"
     assert sorted(p.name for p in (tmp_path / "states").iterdir() if not p.name.startswith(".")) == ["step-00000004"]

@@ -192,3 +192,40 @@ def test_damaged_states_fail_on_the_driver_and_change_nothing(load_on_world, tin
         model.load_state(good)  # the good one still loads into the same handle, and it trains on
         assert model.step == 1
         model.train_step(*data[1])
+
+
+def _correction_biases(ctx) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone()
+        for name, p in ctx.require_model().model.named_parameters()
+        if name.endswith("e_score_correction_bias")
+    }
+
+
+def test_bias_balancing_resumes_with_its_correction_biases(load_on_world, tiny_checkpoint, padded_batches, tmp_path):
+    """GLM-4.5 with bias balancing: the selection biases bias balancing moved are part of the state; saved under
+    fsdp2/ep2 (world 2) and resumed on one rank, the run goes on as if never stopped."""
+    glm = tiny_checkpoint("glm4moe_e8_k3_shared2_qknorm")
+    data = padded_batches(json.loads((glm / "config.json").read_text())["vocab_size"], steps=STEPS, rows=ROWS, seq=SEQ)
+
+    def configure(model):
+        model.configure_training(lr=1e-3, weight_decay=0.1, max_grad_norm=0.5, balance="bias", bias_update_rate=1e-2)
+
+    with load_on_world(glm, {}) as model:
+        configure(model)
+        losses = _train(model, data, range(STEPS))
+        biases = model.run_on_ranks(_correction_biases)[0]
+    assert biases and all(b.abs().sum() > 0 for b in biases.values())  # bias balancing moved them
+    with load_on_world(glm, {"fsdp_size": 2, "ep_size": 2}) as model:
+        configure(model)
+        _train(model, data, range(3))
+        model.save_state(tmp_path / "state")
+    with load_on_world(glm, {}) as model:
+        model.load_state(tmp_path / "state")
+        assert model.balance.bias_update_rate == 1e-2  # the balance settings come back with the state
+        resumed = _train(model, data, range(3, STEPS))
+        final = model.run_on_ranks(_correction_biases)[0]
+    assert resumed == pytest.approx(losses[3:], rel=TOL)
+    assert all(torch.equal(final[name], b) for name, b in biases.items())

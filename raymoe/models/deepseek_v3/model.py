@@ -18,12 +18,11 @@ from torch import nn
 from raymoe.models.common.config import ModelConfig
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.hub_layout import HubLayout, fp8_block_layout, is_extra_layer_key, per_expert_layout
-from raymoe.models.common.mlp import FeedForward
 from raymoe.models.common.plans import DefaultPlans
 from raymoe.models.deepseek_v3.config import fp8_block_size
 from raymoe.models.deepseek_v3.mla import MultiHeadLatentAttention
 from raymoe.models.deepseek_v3.plans import deepseek_v3_plans
-from raymoe.models.moe import SparseMoeBlock
+from raymoe.models.moe.block import sparse_or_dense_mlp
 
 
 class DeepseekV3ForCausalLM(CausalLM):
@@ -33,10 +32,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         return MultiHeadLatentAttention(config, layer_idx)
 
     def build_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
-        if config.layer_is_sparse(layer_idx):
-            assert config.moe is not None  # layer_is_sparse implies it
-            return SparseMoeBlock(config.hidden_size, config.moe)
-        return FeedForward(config.hidden_size, config.intermediate_size)
+        return sparse_or_dense_mlp(config, layer_idx)
 
     def default_plans(self) -> DefaultPlans:
         return deepseek_v3_plans(self.config, self.sparse_layers())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from raymoe.models.common.config import MoeConfig
+from raymoe.models.common.config import ModelConfig, MoeConfig
 from raymoe.models.common.mlp import FeedForward
 from raymoe.models.moe.experts import GroupedExperts
 from raymoe.models.moe.router import TopKRouter
@@ -60,3 +60,12 @@ class SparseMoeBlock(nn.Module):
                 shared_TH = torch.sigmoid(self.shared_expert_gate(hidden_TH)) * shared_TH
             out_TH = out_TH + shared_TH
         return out_TH.view_as(x_BSH)
+
+
+def sparse_or_dense_mlp(config: ModelConfig, layer_idx: int, **block_options: str) -> nn.Module:
+    """Layer ``layer_idx``'s MLP: a :class:`SparseMoeBlock` (``block_options`` passed on) where the config makes the
+    layer sparse (``decoder_sparse_step``, ``mlp_only_layers``, ``first_k_dense_replace``), else the dense one."""
+    if config.layer_is_sparse(layer_idx):
+        assert config.moe is not None  # layer_is_sparse implies it
+        return SparseMoeBlock(config.hidden_size, config.moe, **block_options)
+    return FeedForward(config.hidden_size, config.intermediate_size)

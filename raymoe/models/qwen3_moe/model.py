@@ -15,9 +15,8 @@ from torch import nn
 from raymoe.models.common.config import ModelConfig, MoeConfig
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.hub_layout import HubLayout, per_expert_layout
-from raymoe.models.common.mlp import FeedForward
 from raymoe.models.common.plans import DefaultPlans
-from raymoe.models.moe import SparseMoeBlock
+from raymoe.models.moe.block import sparse_or_dense_mlp
 from raymoe.models.qwen3_moe.plans import qwen3_moe_plans
 
 
@@ -30,10 +29,7 @@ class Qwen3MoeForCausalLM(CausalLM):
         return self.config.moe
 
     def build_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
-        if config.layer_is_sparse(layer_idx):
-            assert config.moe is not None  # layer_is_sparse implies it
-            return SparseMoeBlock(config.hidden_size, config.moe)
-        return FeedForward(config.hidden_size, config.intermediate_size)
+        return sparse_or_dense_mlp(config, layer_idx)
 
     def default_plans(self) -> DefaultPlans:
         return qwen3_moe_plans(self.config, self.sparse_layers())
