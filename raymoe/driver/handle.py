@@ -510,7 +510,7 @@ class DistributedModel:
         if async_save:
             self._saving = target
         else:
-            _raise_save_failure(answers, target)
+            _report_save(answers, target)
         return target
 
     def wait_for_save(self) -> Path | None:
@@ -520,7 +520,7 @@ class DistributedModel:
         if target is None:
             return None
         answers = [a for a in self._ranks().execute(wait_for_state_save) if a is not None]
-        _raise_save_failure(answers, target)
+        _report_save(answers, target)
         return target
 
     def load_state(self, path: str | os.PathLike[str]) -> StateManifest:
@@ -653,8 +653,15 @@ def _failures(answers: Sequence[StateAnswer]) -> str:
     return "; ".join(dict.fromkeys(a.error for a in answers if a.error is not None))
 
 
-def _raise_save_failure(answers: Sequence[StateAnswer], target: Path) -> None:
+def _report_save(answers: Sequence[StateAnswer], target: Path) -> None:
+    """Log what a finished save wrote, or raise its failure as one ``CheckpointSaveError``."""
     failures = _failures(answers)
+    if not failures:
+        written = sum(a.bytes_written for a in answers)
+        logger.info(
+            "training state %s: %.1f MB from %d ranks, the slowest in %.2f s",
+            target, written / 1e6, len(answers), max((a.seconds for a in answers), default=0.0),
+        )  # fmt: skip
     if failures:
         errno = next((a.errno for a in answers if a.errno is not None), None)
         raise CheckpointSaveError(

@@ -58,11 +58,10 @@ class StateRequest:
 @dataclass(frozen=True)
 class StateAnswer:
     """One rank's answer to a save, wait or load: ``error`` (naming file and cause) or None, ``errno`` where the disk
-    gave one, ``pending`` (an async save still writing), seconds spent blocking, and bytes this rank wrote."""
+    gave one, seconds from the call (or the asynchronous save's start) to the answer, and bytes this rank wrote."""
 
     error: str | None = None
     errno: int | None = None
-    pending: bool = False
     seconds: float = 0.0
     bytes_written: int = 0
 
@@ -72,8 +71,7 @@ class PendingSave:
     """An asynchronous save in flight on this rank; rank 0 commits it (manifest, swap) when DCP's future is done."""
 
     request: StateRequest
-    future: Future[Any]
-    started: float
+    future: Future[Any]  # DCP's: the writing thread's result
     committed: Future[StateAnswer] = field(default_factory=Future)
 
 
@@ -93,10 +91,10 @@ def save_training_state(ctx: RankContext, request: StateRequest) -> StateAnswer:
             state, storage_writer=writer, planner=BoxSavePlanner(), process_group=ctx.checkpoint_group()
         )
         assert isinstance(future, Future)  # the thread checkpointer's answer
-        pending = PendingSave(request, future, start)
+        pending = PendingSave(request, future)
         future.add_done_callback(lambda done: _settle(pending, ctx.rank, done, start))
         loaded.pending_save = pending
-        return StateAnswer(pending=True, seconds=time.perf_counter() - start)
+        return StateAnswer(seconds=time.perf_counter() - start)
     try:
         metadata = dcp.save(
             state, storage_writer=writer, planner=BoxSavePlanner(), process_group=ctx.checkpoint_group()
