@@ -63,7 +63,7 @@ from raymoe.driver.chat import (
     read_tokenizer_config,
     special_token_strings,
 )
-from raymoe.driver.records import Fields, open_source
+from raymoe.driver.records import Fields, jsonl_records, open_source
 from raymoe.driver.tokenized import EncodeOptions, LossOn, TokenizedExamples, tokenize
 from raymoe.models.common.loss import IGNORE_INDEX, count_label_tokens
 
@@ -590,30 +590,17 @@ def read_documents(path: str | os.PathLike[str], text_field: str = "text") -> li
 
 def _read_jsonl(file: Path, text_field: str) -> list[str]:
     documents = []
-    with file.open("rb") as raw_lines:
-        for number, raw in enumerate(raw_lines, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise ValueError(
-                    f"dataset {file} line {number} is not UTF-8 text ({exc.reason} at byte {exc.start} of the line)"
-                ) from exc
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"dataset {file} line {number} is not valid JSON: {exc.msg}") from exc
-            if isinstance(record, str):
-                documents.append(record)
-            elif isinstance(record, dict) and isinstance(record.get(text_field), str):
-                documents.append(record[text_field])
-            else:
-                raise ValueError(
-                    f"dataset {file} line {number} must be a JSON string or an object with a string field "
-                    f"{text_field!r}, got {type(record).__name__}"
-                    + (f" with fields {sorted(record)}" if isinstance(record, dict) else "")
-                )
+    for number, record in jsonl_records(file, f"dataset {file}"):
+        if isinstance(record, str):
+            documents.append(record)
+        elif isinstance(record, dict) and isinstance(record.get(text_field), str):
+            documents.append(record[text_field])
+        else:
+            raise ValueError(
+                f"dataset {file} line {number} must be a JSON string or an object with a string field "
+                f"{text_field!r}, got {type(record).__name__}"
+                + (f" with fields {sorted(record)}" if isinstance(record, dict) else "")
+            )
     return documents
 
 

@@ -103,25 +103,32 @@ class JsonlSource(FileSource):
 
     def batches(self, rows: int = BATCH_ROWS) -> Iterator[list[tuple[int, Any]]]:
         batch: list[tuple[int, Any]] = []
-        with self.path.open("rb") as raw_lines:
-            for number, raw in enumerate(raw_lines, start=1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    raise ValueError(
-                        f"{self.name} line {number} is not UTF-8 text ({exc.reason} at byte {exc.start} of the line)"
-                    ) from exc
-                if not line.strip():
-                    continue
-                try:
-                    batch.append((number, json.loads(line)))
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{self.name} line {number} is not valid JSON: {exc.msg}") from exc
-                if len(batch) == rows:
-                    yield batch
-                    batch = []
+        for numbered in jsonl_records(self.path, self.name):
+            batch.append(numbered)
+            if len(batch) == rows:
+                yield batch
+                batch = []
         if batch:
             yield batch
+
+
+def jsonl_records(path: Path, name: str) -> Iterator[tuple[int, Any]]:
+    """``(line number, parsed JSON)`` of each non-blank line of ``path``, read line by line; a line that is not UTF-8
+    or not JSON is a ``ValueError`` naming ``name`` (e.g. ``dataset <file>``) and the line."""
+    with path.open("rb") as raw_lines:
+        for number, raw in enumerate(raw_lines, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(
+                    f"{name} line {number} is not UTF-8 text ({exc.reason} at byte {exc.start} of the line)"
+                ) from exc
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{name} line {number} is not valid JSON: {exc.msg}") from exc
 
 
 @dataclass(frozen=True)
