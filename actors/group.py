@@ -306,28 +306,26 @@ class RayRankGroup:
 
 
 def _end_local_processes(processes: Sequence[tuple[str, int]]) -> None:
-    """SIGKILL what is left of this node's rank processes after ``ray.kill`` (a stopped process may outlive it)."""
+    """SIGKILL this node's rank processes that are stopped (SIGSTOP, a debugger): ``ray.kill`` cannot end a process
+    that does not run, while a running one ends by it, so no shutdown waits on the others."""
     try:
         here = ray.get_runtime_context().get_node_id()
     except Exception:  # Ray is gone: nothing to ask
         return
-    deadline = time.monotonic() + 5.0
     for node, pid in processes:
-        if node != here:
-            continue
-        while _exists(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if _exists(pid):
+        if node == here and _is_stopped(pid):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
 
 
-def _exists(pid: int) -> bool:
+def _is_stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (state ``T``/``t`` in ``/proc``; False where there is no such file)."""
     try:
-        os.kill(pid, 0)
-    except OSError:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
         return False
-    return True
+    return state in ("T", "t")
 
 
 def _first_line_of(text: str) -> str:
