@@ -67,6 +67,12 @@ class RankHangError(RankError):
         self.diagnosis = diagnosis
 
 
+# Ray starts worker processes at niceness 15 so that its own daemons stay responsive; a rank actor is the training
+# process itself, and at 15 it loses the CPU to anything else on the node (a data loader, a second job), which then
+# paces every collective. Ranks run at the niceness torchrun would give them (benchmarks/bench_layouts.py).
+RANK_PROCESS_ENV = {"RAY_worker_niceness": "0"}
+
+
 @dataclass(frozen=True)
 class GroupOptions:
     """How ranks are placed and how long the runtime waits before calling something stuck."""
@@ -103,6 +109,7 @@ class RayRankGroup:
             actor_class.options(
                 num_cpus=options.cpus_per_rank,
                 num_gpus=1 if options.use_gpu else 0,
+                runtime_env={"env_vars": RANK_PROCESS_ENV},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement.group, bundle),
             ).remote()
             for bundle in placement.bundle_of_rank

@@ -1,12 +1,58 @@
-"""The CPU-sized Qwen3-MoE every benchmark trains: its command-line shape flags and its checkpoint."""
+"""The CPU-sized Qwen3-MoE checkpoints the benchmarks train: command-line shape flags, named shapes, the checkpoint.
+
+Named shapes (``SHAPES``) span what MoE models look like, scaled to a 2-core CPU:
+
+    few-large    8 experts top-2, wide experts (moe_intermediate 512): Mixtral-like
+    many-small   64 experts top-8, narrow experts (moe_intermediate 64): DeepSeek / Qwen3-30B-A3B-like
+    dense-heavy  half the layers dense with a wide MLP (intermediate 2048), 8 experts top-2 on the rest
+"""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import transformers
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One model and batch shape (the fields ``add_shape_args`` names)."""
+
+    batch: int = 4
+    seq: int = 256
+    vocab: int = 4096
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 4
+    experts: int = 16
+    top_k: int = 4
+    moe_intermediate: int = 128
+    intermediate: int | None = None  # dense MLP width (default 4 * hidden)
+    dense_layers: tuple[int, ...] = field(default=())  # layers with a dense MLP instead of experts
+
+    def describe(self) -> str:
+        dense = (
+            f", dense layers {list(self.dense_layers)} (intermediate {self.dense_width})" if self.dense_layers else ""
+        )
+        return (
+            f"hidden {self.hidden}, {self.layers} layers, {self.experts} experts top-{self.top_k} "
+            f"(moe_intermediate {self.moe_intermediate}){dense}, vocab {self.vocab}, batch {self.batch}x{self.seq}"
+        )
+
+    @property
+    def dense_width(self) -> int:
+        return self.intermediate or 4 * self.hidden
+
+
+SHAPES = {
+    "few-large": Shape(experts=8, top_k=2, moe_intermediate=512),
+    "many-small": Shape(experts=64, top_k=8, moe_intermediate=64),
+    "dense-heavy": Shape(experts=8, top_k=2, moe_intermediate=128, intermediate=2048, dense_layers=(0, 2)),
+}
 
 
 def add_shape_args(parser: argparse.ArgumentParser, *, heads: int, kv_heads: int) -> None:
@@ -22,12 +68,18 @@ def add_shape_args(parser: argparse.ArgumentParser, *, heads: int, kv_heads: int
     parser.add_argument("--moe-intermediate", type=int, default=128)
 
 
-def save_checkpoint(directory: Path, args: argparse.Namespace) -> None:
+def shape_args(name: str) -> Shape:
+    """The named shape ``name`` (one of ``SHAPES``)."""
+    return SHAPES[name]
+
+
+def save_checkpoint(directory: Path, args: argparse.Namespace | Shape) -> None:
     """A random fp32 checkpoint of the shape ``args`` name, written by transformers (seed 0)."""
+    intermediate = getattr(args, "intermediate", None) or 4 * args.hidden
     config = transformers.Qwen3MoeConfig(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
-        intermediate_size=4 * args.hidden,
+        intermediate_size=intermediate,
         moe_intermediate_size=args.moe_intermediate,
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
@@ -36,6 +88,7 @@ def save_checkpoint(directory: Path, args: argparse.Namespace) -> None:
         num_experts=args.experts,
         num_experts_per_tok=args.top_k,
         norm_topk_prob=True,
+        mlp_only_layers=list(getattr(args, "dense_layers", ())),
     )
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)

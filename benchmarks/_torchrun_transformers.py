@@ -1,47 +1,73 @@
-"""One rank of the transformers + torchrun row of bench_layouts.py (run by torch.distributed.run, gloo).
+"""One rank of the transformers rows of bench_layouts.py: under torch.distributed.run (gloo / NCCL), or alone.
 
-Each data-parallel rank trains on its rows of the same global batches bench_layouts.py uses;
-rank 0 prints the wall time of every optimizer step as ``STEP_SECONDS [...]``.
+With ``layout`` ``{}`` and no torchrun it is the one-process row (transformers' grouped_mm experts, as the
+distributed rows use). Each data-parallel rank trains on its rows of the same global batches bench_layouts.py
+uses; rank 0 prints the wall time of every optimizer step as ``STEP_SECONDS [...]`` and the peak memory of
+every rank during the timed steps and its memory in use when they began, as ``PEAK_MIB [[peak, start], ...]``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 import transformers
+from _peak_memory import peak_mib, reset
 from transformers.distributed.configuration_utils import DistributedConfig
 
 
 def main() -> None:
-    directory, layout, batch, seq, vocab, steps = sys.argv[1:7]
+    directory, layout, batch, seq, vocab, steps, warmup = sys.argv[1:8]
     sizes = json.loads(layout)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    distributed = "RANK" in os.environ
+    extra = {}
+    if distributed:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        extra["distributed_config"] = DistributedConfig(**sizes)
+    rank = dist.get_rank() if distributed else 0
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else None
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, distributed_config=DistributedConfig(**sizes), dtype=torch.float32
+        directory, dtype=torch.float32, experts_implementation="grouped_mm", **extra
     ).train()
+    if device is not None and not distributed:
+        model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     dp_size = sizes.get("fsdp_size", 1) * sizes.get("dp_replicate_size", 1)
     dp_rank = rank // sizes.get("tp_size", 1)
     gen = torch.Generator().manual_seed(1)
     times = []
-    for _ in range(int(steps)):
+    for step in range(int(steps)):
+        if step == int(warmup):
+            start = reset(device or "cpu")
         ids = torch.randint(0, int(vocab), (int(batch), int(seq)), generator=gen)
         rows = torch.tensor_split(ids, dp_size)[dp_rank]
-        dist.barrier()
+        if device is not None:
+            rows = rows.to(device)
+        if distributed:
+            dist.barrier()
         began = time.perf_counter()
         model(input_ids=rows, labels=rows).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        dist.barrier()
+        if distributed:
+            dist.barrier()
+        elif device is not None:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - began)
+    peaks = [[peak_mib(device or "cpu"), start]]
+    if distributed:
+        gathered: list[object] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, peaks[0])
+        peaks = [list(pair) for pair in gathered]  # type: ignore[call-overload]
     if rank == 0:
         print("STEP_SECONDS " + json.dumps(times), flush=True)
-    dist.destroy_process_group()
+        print("PEAK_MIB " + json.dumps(peaks), flush=True)
+    if distributed:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,16 +1,24 @@
-"""Global training throughput at world size 2: raymoe on Ray against transformers + torchrun (issue 6).
+"""Training throughput and peak memory per rank over a matrix of shapes, world sizes and layouts (issue 18).
 
-Every row trains the same CPU-sized Qwen3-MoE checkpoint on the same global batch; tokens/s is
-global tokens per second of wall time per optimizer step (median over the timed steps, after
-warm-up; each distributed row is the best of ``--rounds`` rounds, the two systems alternating).
-All rows run in this one invocation, so their ratios share the machine's state:
+Every row of one shape trains the same CPU-sized Qwen3-MoE checkpoint (``_model_shape.SHAPES``) on the same
+global batches. Columns, all measured in this one invocation so their ratios share the machine's state:
 
-    one process     transformers (grouped_mm experts)   raymoe single-process model
-    world size 2    transformers + torchrun (gloo, 1 thread per rank)
-                    raymoe.from_pretrained on a local Ray (gloo, 1 CPU per rank)
+    one process               transformers (grouped_mm experts), raymoe.load_model: no process group
+    transformers + torchrun   transformers' DistributedConfig, one process per rank (gloo on CPU, NCCL on GPU)
+    raymoe on Ray             raymoe.from_pretrained, one Ray actor per rank, driver round trip every step
+
+tokens/s is global tokens per second of wall time per optimizer step (median over the timed steps, after
+``--warmup``); each distributed row is the best of ``--rounds`` rounds, the two systems alternating. Peak
+memory is per rank during the timed steps (RSS on CPU, ``torch.cuda.max_memory_allocated`` on GPU;
+``_peak_memory.py``), and so is its growth over the memory in use when they began (activations, gradients
+and temporaries of a step: weights and optimizer state are already there); the table shows the largest
+rank's. One-process rows get every CPU as torch threads, distributed rows one thread per rank. The
+activation-checkpointing rows train raymoe's fsdp layout at world 2 under ``none | full | selective`` on a
+longer batch (``--ac-batch`` x ``--ac-seq``), where activations outweigh the process's baseline; their
+ratio is to ``ac=none``. Results go to ``--out`` as JSON and markdown.
 
     .venv/bin/pip install -c constraints.txt -e '.[test,bench]'   # transformers' distributed path needs accelerate
-    .venv/bin/python benchmarks/bench_layouts.py [--steps 6] [--layouts fsdp2 fsdp2-ep2 tp2-ep2]
+    .venv/bin/python benchmarks/bench_layouts.py [--shapes few-large] [--worlds 2] [--layouts fsdp2 tp2-ep2]
 
 Not run by the test suite.
 """
@@ -24,133 +32,293 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
+from typing import Any
 
+import _peak_memory
 import torch
-import transformers
-from _model_shape import add_shape_args, save_checkpoint
+from _model_shape import SHAPES, Shape, save_checkpoint
 
-LAYOUTS = {
+# name -> DistributedConfig sizes; the world size is their product
+LAYOUTS: dict[str, dict[str, int]] = {
     "fsdp2": {"fsdp_size": 2},
     "fsdp2-ep2": {"fsdp_size": 2, "ep_size": 2},
     "tp2-ep2": {"tp_size": 2, "ep_size": 2},
+    "hsdp2x1": {"dp_replicate_size": 2, "fsdp_size": 1},
+    "fsdp4": {"fsdp_size": 4},
+    "fsdp4-ep4": {"fsdp_size": 4, "ep_size": 4},
+    "tp2-fsdp2-ep2": {"tp_size": 2, "fsdp_size": 2, "ep_size": 2},
+    "hsdp2x2-ep2": {"dp_replicate_size": 2, "fsdp_size": 2, "ep_size": 2},
 }
-TORCHRUN_SCRIPT = Path(__file__).with_name("_torchrun_transformers.py")
+AC_LAYOUT = "fsdp2"
+ONE_PROCESS_THREADS = os.cpu_count() or 1
+AC_MODES = ("none", "full", "selective")
+HERE = Path(__file__).parent
+TRANSFORMERS_SCRIPT = HERE / "_torchrun_transformers.py"
+RAYMOE_ONE_PROCESS_SCRIPT = HERE / "_raymoe_one_process.py"
 
 
-def batches(args: argparse.Namespace) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    return [
-        torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen) for _ in range(args.warmup + args.steps)
-    ]
+def world_of(layout: dict[str, int]) -> int:
+    return layout.get("dp_replicate_size", 1) * layout.get("fsdp_size", 1) * layout.get("tp_size", 1)
 
 
-def tokens_per_s(step_seconds: list[float], args: argparse.Namespace) -> float:
-    return args.batch * (args.seq - 1) / statistics.median(step_seconds[args.warmup :])
+@dataclass
+class Row:
+    """One measured system on one (shape, layout): best tokens/s over the rounds and its peak memory per rank."""
+
+    shape: str
+    layout: str
+    world: int
+    system: str
+    tokens_per_s: float = 0.0
+    peak_mib: list[float] = field(default_factory=list)
+    start_mib: list[float] = field(default_factory=list)  # in use when the timed steps began
+    rounds: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    def keep(self, speed: float, memory: list[list[float]]) -> None:
+        """A round's tokens/s and ``[peak, start]`` MiB per rank; the best round's are kept."""
+        self.rounds.append(speed)
+        if speed > self.tokens_per_s:
+            self.tokens_per_s = speed
+            self.peak_mib, self.start_mib = [m[0] for m in memory], [m[1] for m in memory]
+
+    @property
+    def growth_mib(self) -> float:
+        return max(peak - start for peak, start in zip(self.peak_mib, self.start_mib, strict=True))
 
 
-def time_steps(step: Callable[[torch.Tensor], object], data: list[torch.Tensor]) -> list[float]:
-    times = []
-    for ids in data:
-        began = time.perf_counter()
-        step(ids)
-        times.append(time.perf_counter() - began)
-    return times
+def tokens_per_s(step_seconds: list[float], shape: Shape, warmup: int) -> float:
+    return shape.batch * (shape.seq - 1) / statistics.median(step_seconds[warmup:])
 
 
-def one_process_transformers(directory: Path, data: list[torch.Tensor]) -> list[float]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, experts_implementation="grouped_mm").train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step(ids: torch.Tensor) -> None:
-        model(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return time_steps(step, data)
+Measured = tuple[list[float], list[list[float]]]  # step seconds, [peak, start] MiB per rank
 
 
-def one_process_raymoe(directory: Path, data: list[torch.Tensor]) -> list[float]:
-    from raymoe import load_model
-    from raymoe.models import causal_lm_loss
+def run_script(command: list[str], what: str, threads: int = 1) -> Measured:
+    """Step seconds and memory per rank printed by a row's script (``STEP_SECONDS`` / ``PEAK_MIB`` lines)."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)]),
+    }
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800, check=False)
+    found = {
+        key: json.loads(line.removeprefix(key + " "))
+        for line in done.stdout.splitlines()
+        for key in ("STEP_SECONDS", "PEAK_MIB")
+        if line.startswith(key + " ")
+    }
+    if done.returncode != 0 or len(found) != 2:
+        raise RuntimeError(f"{what} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    return found["STEP_SECONDS"], found["PEAK_MIB"]
 
-    model = load_model(directory).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-    def step(ids: torch.Tensor) -> None:
-        causal_lm_loss(model(ids), ids).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return time_steps(step, data)
+def shape_argv(shape: Shape, args: argparse.Namespace) -> list[str]:
+    return [str(shape.batch), str(shape.seq), str(shape.vocab), str(args.warmup + args.steps), str(args.warmup)]
 
 
-def raymoe_on_ray(directory: Path, layout: dict[str, int], data: list[torch.Tensor]) -> list[float]:
-    import ray
+def transformers_run(
+    directory: Path, layout: dict[str, int], shape: Shape, args: argparse.Namespace
+) -> tuple[list[float], list[float]]:
+    world = world_of(layout)
+    launcher = (
+        [sys.executable]
+        if world == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world)]
+    )
+    command = [*launcher, str(TRANSFORMERS_SCRIPT), str(directory), json.dumps(layout), *shape_argv(shape, args)]
+    return run_script(
+        command, f"transformers {layout or 'one process'}", threads=ONE_PROCESS_THREADS if world == 1 else 1
+    )
+
+
+def raymoe_one_process(directory: Path, shape: Shape, args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    command = [sys.executable, str(RAYMOE_ONE_PROCESS_SCRIPT), str(directory), *shape_argv(shape, args)]
+    return run_script(command, "raymoe one process", threads=ONE_PROCESS_THREADS)
+
+
+def raymoe_on_ray(
+    directory: Path, layout: dict[str, Any], shape: Shape, args: argparse.Namespace
+) -> tuple[list[float], list[float]]:
+    import time
 
     import raymoe
 
-    if not ray.is_initialized():
-        # No dashboard: on a 2-core machine its processes would compete with the two ranks.
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-
+    gen = torch.Generator().manual_seed(1)
+    data = [
+        torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=gen) for _ in range(args.warmup + args.steps)
+    ]
+    times = []
     with raymoe.from_pretrained(directory, distributed_config=layout) as model:
         model.configure_training(lr=1e-4, betas=(0.9, 0.999), max_grad_norm=None)  # the other rows: torch defaults
-        return time_steps(model.train_step, data)
+        for step, ids in enumerate(data):
+            if step == args.warmup:
+                starts = model.run_on_ranks(lambda ctx: _peak_memory.reset(ctx.device))
+            began = time.perf_counter()
+            model.train_step(ids)
+            times.append(time.perf_counter() - began)
+        peaks = model.run_on_ranks(lambda ctx: _peak_memory.peak_mib(ctx.device))
+    return times, [[peak, start] for peak, start in zip(peaks, starts, strict=True)]
 
 
-def transformers_torchrun(directory: Path, layout: dict[str, int], args: argparse.Namespace) -> list[float]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [
-        *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(TORCHRUN_SCRIPT)),
-        *(str(directory), json.dumps(layout), str(args.batch), str(args.seq), str(args.vocab)),
-        str(args.warmup + args.steps),
+def measure(
+    rows: dict[tuple[str, str, str], Row],
+    key: tuple[str, str, str],
+    world: int,
+    run: Any,
+    shape: Shape,
+    args: argparse.Namespace,
+) -> None:
+    row = rows.setdefault(key, Row(key[0], key[1], world, key[2]))
+    try:
+        times, peaks = run()
+        row.keep(tokens_per_s(times, shape, args.warmup), peaks)
+    except Exception as exc:  # a system that cannot run a layout is a row with its error, not the end of the matrix
+        row.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else ''}"
+        print(f"  {key}: {row.error}", flush=True)
+
+
+def run_matrix(args: argparse.Namespace) -> list[Row]:
+    import ray
+
+    ray.init(address="local", num_cpus=max(args.worlds), include_dashboard=False, log_to_driver=False)
+    ray.cloudpickle.register_pickle_by_value(_peak_memory)
+    rows: dict[tuple[str, str, str], Row] = {}
+    for shape_name in args.shapes:
+        shape = SHAPES[shape_name]
+        print(f"shape {shape_name}: {shape.describe()}", flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            directory = Path(tmp)
+            save_checkpoint(directory, shape)
+            for system, run in (
+                ("transformers", partial(transformers_run, directory, {}, shape, args)),
+                ("raymoe", partial(raymoe_one_process, directory, shape, args)),
+            ):
+                measure(rows, (shape_name, "one process", system), 1, run, shape, args)
+            for name in args.layouts:
+                layout = LAYOUTS[name]
+                if world_of(layout) not in args.worlds:
+                    continue
+                for _ in range(args.rounds):  # alternate the systems; each keeps its best round (least disturbed)
+                    measure(
+                        rows,
+                        (shape_name, name, "transformers+torchrun"),
+                        world_of(layout),
+                        partial(transformers_run, directory, layout, shape, args),
+                        shape,
+                        args,
+                    )
+                    measure(
+                        rows,
+                        (shape_name, name, "raymoe on Ray"),
+                        world_of(layout),
+                        partial(raymoe_on_ray, directory, layout, shape, args),
+                        shape,
+                        args,
+                    )
+                print(
+                    f"  {name}: "
+                    + ", ".join(
+                        f"{r.system} {r.tokens_per_s:.0f}" for k, r in rows.items() if k[:2] == (shape_name, name)
+                    ),
+                    flush=True,
+                )
+            if shape_name in args.ac_shapes and 2 in args.worlds:
+                long_batch = replace(shape, batch=args.ac_batch, seq=args.ac_seq)
+                for mode in AC_MODES:
+                    layout = {**LAYOUTS[AC_LAYOUT], "activation_checkpointing": mode}
+                    for _ in range(args.rounds):
+                        measure(
+                            rows,
+                            (shape_name, ac_row(mode, long_batch), "raymoe on Ray"),
+                            2,
+                            partial(raymoe_on_ray, directory, layout, long_batch, args),
+                            long_batch,
+                            args,
+                        )
+            write(list(rows.values()), args)
+    return list(rows.values())
+
+
+def ac_row(mode: str, shape: Shape) -> str:
+    return f"{AC_LAYOUT} ac={mode} ({shape.batch}x{shape.seq})"
+
+
+def markdown(rows: list[Row], args: argparse.Namespace) -> str:
+    speed = {(r.shape, r.layout, r.system): r.tokens_per_s for r in rows}
+    lines = [
+        f"steps {args.steps} after {args.warmup} warm-up, best of {args.rounds} rounds; torch {torch.__version__}, "
+        f"{os.cpu_count()} CPUs{', ' + torch.cuda.get_device_name() if torch.cuda.is_available() else ''}; "
+        f"one process: {ONE_PROCESS_THREADS} threads, distributed: 1 thread per rank",
+        "",
+        "| shape | world | layout | system | tokens/s | vs transformers+torchrun | vs one process (raymoe) "
+        "| peak MiB per rank | step growth MiB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800, check=False)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("STEP_SECONDS ")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(
-            f"transformers + torchrun failed for {layout}:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    for r in rows:
+        if r.error:
+            lines.append(f"| {r.shape} | {r.world} | {r.layout} | {r.system} | failed: {r.error} | | | | |")
+            continue
+        torchrun = speed.get((r.shape, r.layout, "transformers+torchrun"))
+        if " ac=" in r.layout:  # its own batch: compared with no checkpointing on that batch
+            reference = speed.get(
+                (r.shape, ac_row("none", replace(SHAPES[r.shape], batch=args.ac_batch, seq=args.ac_seq)), r.system)
+            )
+        else:
+            reference = speed.get((r.shape, "one process", "raymoe")) if r.layout != "one process" else None
+        vs_torchrun = f"{r.tokens_per_s / torchrun:.2f}x" if torchrun and r.system == "raymoe on Ray" else ""
+        vs_reference = f"{r.tokens_per_s / reference:.2f}x" if reference else ""
+        lines.append(
+            f"| {r.shape} | {r.world} | {r.layout} | {r.system} | {r.tokens_per_s:.0f} | {vs_torchrun} "
+            f"| {vs_reference} | {max(r.peak_mib):.0f} | {r.growth_mib:.0f} |"
         )
-    return [float(x) for x in json.loads(lines[0].removeprefix("STEP_SECONDS "))]
+    lines += [
+        "",
+        "peak: the largest rank's peak during the timed steps (RSS on CPU: the process's baseline included); "
+        "step growth: the largest rank's peak minus its memory in use when the timed steps began. "
+        "ac rows: ratio to ac=none on the same batch.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write(rows: list[Row], args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    shapes = {name: asdict(SHAPES[name]) for name in args.shapes}
+    (out / "bench_layouts.json").write_text(
+        json.dumps(
+            {"args": vars(args), "shapes": shapes, "torch": torch.__version__, "rows": [asdict(r) for r in rows]},
+            indent=1,
+        )
+    )
+    (out / "bench_layouts.md").write_text(markdown(rows, args))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2)
-    add_shape_args(parser, heads=4, kv_heads=4)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4], choices=[2, 4])
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument(
+        "--ac-shapes",
+        nargs="*",
+        default=["dense-heavy"],
+        choices=list(SHAPES),
+        help="shapes with activation-checkpointing rows",
+    )
+    parser.add_argument("--ac-batch", type=int, default=8)
+    parser.add_argument("--ac-seq", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    with tempfile.TemporaryDirectory() as tmp:
-        directory = Path(tmp)
-        save_checkpoint(directory, args)
-        data = batches(args)
-        rows = [
-            ("one process", "transformers", tokens_per_s(one_process_transformers(directory, data), args)),
-            ("one process", "raymoe", tokens_per_s(one_process_raymoe(directory, data), args)),
-        ]
-        for name in args.layouts:
-            # Alternate the two systems for --rounds rounds; each keeps its best round (least disturbed).
-            best = {"transformers+torchrun": 0.0, "raymoe on Ray": 0.0}
-            for _ in range(args.rounds):
-                torchrun_speed = tokens_per_s(transformers_torchrun(directory, LAYOUTS[name], args), args)
-                ray_speed = tokens_per_s(raymoe_on_ray(directory, LAYOUTS[name], data), args)
-                best["transformers+torchrun"] = max(best["transformers+torchrun"], torchrun_speed)
-                best["raymoe on Ray"] = max(best["raymoe on Ray"], ray_speed)
-            rows += [(name, system, speed) for system, speed in best.items()]
-    print(f"\nglobal batch {args.batch}x{args.seq}, {args.experts} experts top-{args.top_k}, hidden {args.hidden}")
-    print(f"{'layout':<14}{'system':<24}{'tokens/s':>10}")
-    for layout, system, value in rows:
-        print(f"{layout:<14}{system:<24}{value:>10.0f}")
-    by_layout = {(layout, system): value for layout, system, value in rows}
-    for name in args.layouts:
-        ratio = by_layout[(name, "raymoe on Ray")] / by_layout[(name, "transformers+torchrun")]
-        print(f"{name}: raymoe / transformers+torchrun = {ratio:.2f}")
+    rows = run_matrix(args)
+    print(markdown(rows, args))
 
 
 if __name__ == "__main__":

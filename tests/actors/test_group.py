@@ -151,6 +151,15 @@ def rank_and_args(ctx, *args):
     return ctx.rank, args
 
 
+def niceness(ctx):
+    return os.nice(0)
+
+
+def test_rank_processes_run_at_normal_priority(ray_session, world):
+    """Ray starts workers at niceness 15; a rank at 15 loses the CPU to any other process on its node."""
+    assert world(2).execute(niceness) == [0, 0]
+
+
 def test_execute_per_rank_and_shutdown_is_idempotent(ray_session):
     group = start(ray_session, dp_replicate_size=2)
     ids = owned(group)

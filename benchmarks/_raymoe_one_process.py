@@ -1,0 +1,42 @@
+"""The raymoe one-process row of bench_layouts.py: ``raymoe.load_model`` in this process, no Ray, no process group.
+
+Prints ``STEP_SECONDS [...]`` and ``PEAK_MIB [[peak, start]]`` like ``_torchrun_transformers.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+from _peak_memory import peak_mib, reset
+
+from raymoe import load_model
+from raymoe.models import causal_lm_loss
+
+
+def main() -> None:
+    directory, batch, seq, vocab, steps, warmup = sys.argv[1:7]
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    model = load_model(directory).to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    gen = torch.Generator().manual_seed(1)
+    times = []
+    for step in range(int(steps)):
+        if step == int(warmup):
+            start = reset(device)
+        ids = torch.randint(0, int(vocab), (int(batch), int(seq)), generator=gen).to(device)
+        began = time.perf_counter()
+        causal_lm_loss(model(ids), ids).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - began)
+    print("STEP_SECONDS " + json.dumps(times), flush=True)
+    print("PEAK_MIB " + json.dumps([[peak_mib(device), start]]), flush=True)
+
+
+if __name__ == "__main__":
+    main()

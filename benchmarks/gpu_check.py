@@ -1,0 +1,621 @@
+"""The GPU check of issue 18: raymoe's Qwen3-MoE block and one-rank training on one GPU, against transformers.
+
+Two parts, both in bf16 at the shape of Qwen/Qwen3-30B-A3B (hidden 2048, 128 experts, top-8, expert
+intermediate 768):
+
+    block   raymoe's SparseMoeBlock (router + GroupedExperts on torch._grouped_mm), forward + backward on
+            --block-tokens tokens; TFLOP/s from counted FLOPs and the percentage of the GPU's dense bf16
+            peak (a table by device name, or --peak-tflops). transformers' Qwen3MoeSparseMoeBlock with
+            the same weights (experts_implementation "grouped_mm") is timed beside it where it builds.
+    train   a random 2-layer slice of Qwen3-30B-A3B written with save_pretrained, trained for a few
+            AdamW steps (a) by transformers in this process (from_pretrained, grouped_mm experts) and
+            (b) by raymoe.from_pretrained(world_size=1) on a local Ray: one rank actor holding the GPU,
+            process group backend chosen by the rank (NCCL where it sees a GPU). Tokens/s (label tokens of
+            a step over the median step time after warm-up) and peak GPU memory (max_memory_allocated: in
+            this process for transformers, read on the rank for raymoe). The systems alternate for
+            --rounds rounds, each keeping its best round.
+
+FLOPs of the block per token: routed experts 3 matmuls (gate, up, down) of 2*H*I per (token, expert)
+pair, the router 2*H*E; the backward counts twice the forward (input and weight gradients).
+
+Run it on a GPU machine (under 5 minutes at the defaults), or on CPU with tiny shapes to exercise the code:
+
+    bash benchmarks/gpu_check.sh [--parts block train] [--out gpu_check.json]
+    .venv/bin/python benchmarks/gpu_check.py --smoke          # CPU fp32 (figures not meaningful)
+
+The table goes to stdout, every figure to a JSON file (--out; default $OUT/gpu_check.json when OUT is set,
+else ./gpu_check.json). Not run by the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+# Dense (no sparsity) bf16 tensor-core peaks from the vendors' datasheets, in TFLOP/s; the first name
+# contained in torch.cuda.get_device_name() wins, so the specific variants come first.
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H200 NVL", 835.0),
+    ("H100", 989.0),
+    ("H200", 989.0),
+    ("A100", 312.0),
+)
+SEED = 0
+INIT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The model slice (Qwen3-MoE config fields), the block's token count and the training batch."""
+
+    vocab: int
+    hidden: int
+    intermediate: int
+    moe_intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    top_k: int
+    block_tokens: int
+    batch: int
+    seq: int
+
+
+# Qwen/Qwen3-30B-A3B's config.json, cut to 2 layers.
+FULL = Shape(
+    vocab=151936,
+    hidden=2048,
+    intermediate=6144,
+    moe_intermediate=768,
+    layers=2,
+    heads=32,
+    kv_heads=4,
+    head_dim=128,
+    experts=128,
+    top_k=8,
+    block_tokens=8192,
+    batch=4,
+    seq=2048,
+)
+SMOKE = Shape(
+    vocab=512,
+    hidden=64,
+    intermediate=128,
+    moe_intermediate=32,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    experts=8,
+    top_k=2,
+    block_tokens=256,
+    batch=2,
+    seq=32,
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Where and how long to run: device, dtype, iteration counts."""
+
+    device: torch.device
+    dtype: torch.dtype
+    smoke: bool
+    block_warmup: int
+    block_iters: int
+    train_warmup: int
+    train_steps: int
+    rounds: int
+    telemetry: bool
+
+
+# --- timing ---------------------------------------------------------------------------------------
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds ``fn`` takes: CUDA events on a GPU (queued work drained first), wall clock on CPU."""
+    if device.type != "cuda":
+        began = time.perf_counter()
+        fn()
+        return time.perf_counter() - began
+    synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000.0
+
+
+def peak_tflops(device: torch.device, override: float | None) -> tuple[float | None, str]:
+    """The dense bf16 peak to compare against, and where it comes from."""
+    if override is not None:
+        return override, "--peak-tflops"
+    if device.type != "cuda":
+        return None, "no GPU: percentage of peak omitted"
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in PEAK_BF16_TFLOPS:
+        if key in name:
+            return tflops, f"datasheet dense bf16 peak of {key}"
+    return None, f"unknown device {name!r}: percentage of peak omitted (pass --peak-tflops)"
+
+
+# --- part A: the MoE block ------------------------------------------------------------------------
+
+
+def block_flops(shape: Shape, tokens: int) -> float:
+    """FLOPs of one forward + backward of the block on ``tokens`` tokens (backward = 2x forward)."""
+    experts = tokens * shape.top_k * 3 * 2 * shape.hidden * shape.moe_intermediate
+    router = 2 * tokens * shape.hidden * shape.experts
+    return 3.0 * (experts + router)
+
+
+def build_raymoe_block(shape: Shape, settings: Settings) -> nn.Module:
+    """raymoe's Qwen3-MoE ``SparseMoeBlock`` (router ``gate [E, H]``, experts ``[E, 2I, H]`` / ``[E, H, I]``),
+    normal(0, 0.02) weights, in ``settings.dtype`` on ``settings.device``."""
+    from raymoe.models.common.config import MoeConfig
+    from raymoe.models.moe import SparseMoeBlock
+
+    moe = MoeConfig(
+        num_experts=shape.experts,
+        num_experts_per_tok=shape.top_k,
+        moe_intermediate_size=shape.moe_intermediate,
+        norm_topk_prob=True,
+    )
+    torch.manual_seed(SEED)
+    block = SparseMoeBlock(shape.hidden, moe)
+    for parameter in block.parameters():
+        nn.init.normal_(parameter, std=INIT_STD)
+    return block.to(settings.device, settings.dtype).train()
+
+
+def build_transformers_block(raymoe_block: nn.Module, shape: Shape) -> tuple[nn.Module | None, str]:
+    """transformers' ``Qwen3MoeSparseMoeBlock`` (grouped_mm experts) holding copies of ``raymoe_block``'s
+    weights, or None and the reason it could not be built."""
+    try:
+        import transformers
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+        config = qwen3_moe_config(shape, transformers)
+        config._experts_implementation = "grouped_mm"
+        block = Qwen3MoeSparseMoeBlock(config)
+        weight = next(raymoe_block.parameters())
+        block.to(weight.device, weight.dtype).train()
+        with torch.no_grad():
+            block.gate.weight.copy_(raymoe_block.gate.weight)
+            block.experts.gate_up_proj.copy_(raymoe_block.experts.gate_up_proj)
+            block.experts.down_proj.copy_(raymoe_block.experts.down_proj)
+    except Exception as error:  # optional comparison: any failure skips it, with the reason
+        return None, f"{type(error).__name__}: {error}"
+    return block, ""
+
+
+def time_block(block: nn.Module, x_BTH: Tensor, settings: Settings) -> list[float]:
+    """Seconds of each timed forward + backward of ``block`` on ``x [1, T, H]`` (after the warm-up ones)."""
+    grad_BTH = torch.randn_like(x_BTH)
+
+    def forward_backward() -> None:
+        block(x_BTH).backward(grad_BTH)
+
+    seconds = []
+    for i in range(settings.block_warmup + settings.block_iters):
+        block.zero_grad(set_to_none=True)
+        x_BTH.grad = None
+        took = timed(forward_backward, settings.device)
+        if i >= settings.block_warmup:
+            seconds.append(took)
+    return seconds
+
+
+def block_row(seconds: list[float], flops: float, peak: float | None) -> dict[str, Any]:
+    """Median and best time of the timed iterations as TFLOP/s and a percentage of ``peak``."""
+    row: dict[str, Any] = {"iters": len(seconds), "median_ms": 1e3 * statistics.median(seconds)}
+    row["best_ms"] = 1e3 * min(seconds)
+    row["tflops_median"] = flops / statistics.median(seconds) / 1e12
+    row["tflops_best"] = flops / min(seconds) / 1e12
+    if peak is not None:
+        row["pct_of_peak_median"] = 100.0 * row["tflops_median"] / peak
+        row["pct_of_peak_best"] = 100.0 * row["tflops_best"] / peak
+    return row
+
+
+def run_block(shape: Shape, settings: Settings, peak: float | None) -> dict[str, Any]:
+    """Part A: raymoe's block (and transformers' beside it, where it builds) on ``shape.block_tokens`` tokens."""
+    from raymoe.models.moe import select_gemm_backend
+
+    raymoe_block = build_raymoe_block(shape, settings)
+    gen = torch.Generator(device=settings.device).manual_seed(SEED)
+    x_BTH = torch.randn(
+        1, shape.block_tokens, shape.hidden, generator=gen, device=settings.device, dtype=settings.dtype
+    ).requires_grad_()
+    experts = raymoe_block.experts
+    flops = block_flops(shape, shape.block_tokens)
+    result: dict[str, Any] = {
+        "tokens": shape.block_tokens,
+        "flops_per_iter": flops,
+        "gemm_backend": select_gemm_backend(x_BTH[0], experts.gate_up_proj),
+        "raymoe": block_row(time_block(raymoe_block, x_BTH, settings), flops, peak),
+    }
+    result.update(transformers_block(raymoe_block, x_BTH, shape, settings, peak))
+    return result
+
+
+def transformers_block(
+    raymoe_block: nn.Module, x_BTH: Tensor, shape: Shape, settings: Settings, peak: float | None
+) -> dict[str, Any]:
+    """transformers' block with ``raymoe_block``'s weights: its timing row and the largest output difference
+    on ``x [1, T, H]``; ``{"transformers": {"skipped": reason}}`` where it fails (the comparison is optional)."""
+    theirs, why_not = build_transformers_block(raymoe_block, shape)
+    if theirs is None:
+        return {"transformers": {"skipped": why_not}}
+    try:
+        with torch.no_grad():
+            difference = (raymoe_block(x_BTH) - theirs(x_BTH)).abs().max().item()
+        row = block_row(time_block(theirs, x_BTH, settings), block_flops(shape, x_BTH.shape[1]), peak)
+    except Exception as error:  # optional comparison: a failing forward skips it, with the reason
+        return {"transformers": {"skipped": f"{type(error).__name__}: {error}"}}
+    return {"max_abs_diff_outputs": difference, "transformers": row}
+
+
+# --- part B: one-rank training --------------------------------------------------------------------
+
+
+def qwen3_moe_config(shape: Shape, transformers: Any) -> Any:
+    """transformers' ``Qwen3MoeConfig`` of ``shape`` (every layer sparse, top-k weights renormalised)."""
+    return transformers.Qwen3MoeConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        moe_intermediate_size=shape.moe_intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        num_experts=shape.experts,
+        num_experts_per_tok=shape.top_k,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    )
+
+
+def write_checkpoint(directory: Path, shape: Shape, settings: Settings) -> None:
+    """A random checkpoint of ``shape`` in ``settings.dtype``, written by transformers' ``save_pretrained``.
+
+    The model is built on the meta device and filled on ``settings.device`` (normal(0, 0.02), norms 1):
+    on a GPU that takes seconds where CPU initialisation of ~2B parameters takes a minute.
+    """
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            qwen3_moe_config(shape, transformers), dtype=settings.dtype
+        )
+    model = model.to_empty(device=settings.device)
+    gen = torch.Generator(device=settings.device).manual_seed(SEED)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.fill_(1.0)
+            else:
+                parameter.normal_(0.0, INIT_STD, generator=gen)
+    model.save_pretrained(directory)
+    del model
+    release_memory(settings.device)
+
+
+def release_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def token_batches(shape: Shape, count: int) -> list[Tensor]:
+    """``count`` random ``input_ids [B, S]`` (CPU, seed 1): the same for both systems."""
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=gen) for _ in range(count)]
+
+
+class TransformersRun:
+    """transformers in this process: ``from_pretrained`` (grouped_mm experts) on the device, torch AdamW."""
+
+    name = "transformers"
+
+    def __init__(self, directory: Path, settings: Settings) -> None:
+        import transformers
+
+        self.device = settings.device
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            directory, dtype=settings.dtype, experts_implementation="grouped_mm"
+        )
+        self.model = model.to(settings.device).train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0)
+
+    def step(self, ids_BS: Tensor) -> None:
+        ids_BS = ids_BS.to(self.device)
+        self.model(input_ids=ids_BS, labels=ids_BS).loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        synchronize(self.device)
+
+    def report(self) -> dict[str, Any]:
+        if self.device.type != "cuda":
+            return {"peak_memory_bytes": None}
+        return {"peak_memory_bytes": torch.cuda.max_memory_allocated(self.device)}
+
+    def close(self) -> None:
+        del self.model, self.optimizer
+        release_memory(self.device)
+
+
+def rank_report(ctx: Any) -> dict[str, Any]:
+    """Rank function (``DistributedModel.run_on_ranks``): the rank's backend, device and peak GPU memory."""
+    import torch
+
+    cuda = ctx.device.type == "cuda"
+    return {
+        "rank": ctx.rank,
+        "backend": ctx.backend,
+        "device": str(ctx.device),
+        "device_name": torch.cuda.get_device_name(ctx.device) if cuda else "cpu",
+        "peak_memory_bytes": torch.cuda.max_memory_allocated(ctx.device) if cuda else None,
+    }
+
+
+class RaymoeRun:
+    """raymoe on a local Ray: ``from_pretrained(world_size=1)`` (one rank actor, one GPU where Ray has one),
+    AdamW via ``configure_training`` with the same settings as :class:`TransformersRun`."""
+
+    name = "raymoe"
+
+    def __init__(self, directory: Path, settings: Settings) -> None:
+        import ray
+
+        import raymoe
+
+        if not ray.is_initialized():
+            # A fresh local instance (never another one running here); no dashboard: nothing of it is needed.
+            ray.init(
+                address="local",
+                num_cpus=max(2, os.cpu_count() or 2),
+                num_gpus=torch.cuda.device_count(),
+                include_dashboard=False,
+                log_to_driver=False,
+            )
+        self.model = raymoe.from_pretrained(directory, world_size=1, dtype=settings.dtype)
+        self.model.configure_training(
+            lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, max_grad_norm=None, telemetry=settings.telemetry
+        )
+
+    def step(self, ids_BS: Tensor) -> None:
+        self.model.train_step(ids_BS)  # returns once the rank has taken the step (its loss is in the answer)
+
+    def report(self) -> dict[str, Any]:
+        import ray.cloudpickle
+
+        if rank_report.__module__ != "__main__":  # imported (not run as a script): the ranks cannot import it
+            ray.cloudpickle.register_pickle_by_value(sys.modules[rank_report.__module__])
+        ranks = self.model.run_on_ranks(rank_report)
+        return {"peak_memory_bytes": ranks[0]["peak_memory_bytes"], "ranks": ranks}
+
+    def close(self) -> None:
+        import ray
+
+        self.model.shutdown()
+        ray.shutdown()
+
+
+def time_steps(run: TransformersRun | RaymoeRun, batches: list[Tensor], settings: Settings) -> float:
+    """Label tokens per second of one round: warm-up steps, then the median of the timed ones."""
+    seconds = [timed(lambda ids=ids: run.step(ids), torch.device("cpu")) for ids in batches]
+    timed_seconds = seconds[settings.train_warmup :]
+    batch, seq = batches[0].shape
+    return batch * (seq - 1) / statistics.median(timed_seconds)
+
+
+def run_train(shape: Shape, settings: Settings) -> dict[str, Any]:
+    """Part B: both systems loaded once, then ``settings.rounds`` alternating timed rounds; best round each."""
+    batches = token_batches(shape, settings.train_warmup + settings.train_steps)
+    speeds: dict[str, list[float]] = {"transformers": [], "raymoe": []}
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        began = time.perf_counter()
+        write_checkpoint(Path(tmp), shape, settings)
+        checkpoint_s = time.perf_counter() - began
+        runs = [TransformersRun(Path(tmp), settings)]
+        try:
+            runs.append(RaymoeRun(Path(tmp), settings))
+            for round_index in range(settings.rounds):
+                for run in runs:
+                    speeds[run.name].append(time_steps(run, batches, settings))
+                    print(f"  train round {round_index + 1}: {run.name:<13}{speeds[run.name][-1]:>12.0f} tokens/s")
+            reports = {run.name: run.report() for run in runs}
+        finally:
+            for run in reversed(runs):
+                run.close()
+    result: dict[str, Any] = {
+        "batch": shape.batch,
+        "seq": shape.seq,
+        "label_tokens_per_step": shape.batch * (shape.seq - 1),
+        "warmup_steps": settings.train_warmup,
+        "timed_steps": settings.train_steps,
+        "checkpoint_write_s": checkpoint_s,
+        "raymoe_telemetry": settings.telemetry,
+    }
+    for name, rounds in speeds.items():
+        result[name] = {"tokens_per_s": max(rounds), "tokens_per_s_rounds": rounds, **reports[name]}
+    result["ratio_raymoe_over_transformers"] = result["raymoe"]["tokens_per_s"] / result["transformers"]["tokens_per_s"]
+    return result
+
+
+# --- output ---------------------------------------------------------------------------------------
+
+
+def gib(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / 2**30:.2f} GiB"
+
+
+def percent(row: dict[str, Any], key: str) -> str:
+    return f"{row[key]:.1f}%" if key in row else "n/a"
+
+
+def print_block(block: dict[str, Any], peak: float | None, peak_note: str) -> None:
+    print(f"\nA. MoE block forward+backward, {block['tokens']} tokens, grouped GEMM backend {block['gemm_backend']}")
+    print(f"   peak: {'n/a' if peak is None else f'{peak:.0f} TFLOP/s'} ({peak_note})")
+    print(f"   {'system':<14}{'median ms':>10}{'TFLOP/s':>10}{'% peak':>8}{'best ms':>10}{'TFLOP/s':>10}{'% peak':>8}")
+    for name in ("raymoe", "transformers"):
+        row = block[name]
+        if "skipped" in row:
+            print(f"   {name:<14}skipped: {row['skipped']}")
+            continue
+        print(
+            f"   {name:<14}{row['median_ms']:>10.2f}{row['tflops_median']:>10.4g}"
+            f"{percent(row, 'pct_of_peak_median'):>8}"
+            f"{row['best_ms']:>10.2f}{row['tflops_best']:>10.4g}{percent(row, 'pct_of_peak_best'):>8}"
+        )
+    if "max_abs_diff_outputs" in block:
+        print(f"   same weights and input: max |raymoe - transformers| = {block['max_abs_diff_outputs']:.3g}")
+
+
+def print_train(train: dict[str, Any]) -> None:
+    print(f"\nB. one-rank training, batch {train['batch']}x{train['seq']}, best of the rounds")
+    print(f"   {'system':<14}{'tokens/s':>12}{'peak memory':>16}")
+    for name in ("transformers", "raymoe"):
+        row = train[name]
+        print(f"   {name:<14}{row['tokens_per_s']:>12.0f}{gib(row['peak_memory_bytes']):>16}")
+    ranks = train["raymoe"].get("ranks") or [{}]
+    print(f"   raymoe rank 0: backend {ranks[0].get('backend')}, device {ranks[0].get('device')}")
+    print(f"   raymoe / transformers = {train['ratio_raymoe_over_transformers']:.2f}")
+
+
+# --- command line ---------------------------------------------------------------------------------
+
+
+def default_out() -> Path:
+    out = os.environ.get("OUT")
+    return Path(out) / "gpu_check.json" if out else Path("gpu_check.json")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes; CPU fp32 without a GPU")
+    parser.add_argument("--parts", nargs="+", choices=["block", "train"], default=["block", "train"])
+    parser.add_argument("--block-tokens", type=int, help="tokens of the block part (default 8192; smoke 256)")
+    parser.add_argument("--batch", type=int, help="training rows per step (default 4; smoke 2)")
+    parser.add_argument("--seq", type=int, help="training sequence length (default 2048; smoke 32)")
+    parser.add_argument("--block-warmup", type=int, default=5)
+    parser.add_argument("--block-iters", type=int, default=20)
+    parser.add_argument("--train-warmup", type=int, default=3)
+    parser.add_argument("--train-steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=2, help="alternating training rounds; each keeps its best")
+    parser.add_argument("--telemetry", action="store_true", help="raymoe records routing telemetry each step")
+    parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, instead of the name table")
+    parser.add_argument("--out", type=Path, default=default_out(), help="JSON file of every figure")
+    args = parser.parse_args(argv)
+    for name in ("block_tokens", "batch", "seq", "block_iters", "train_steps", "rounds"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.seq is not None and args.seq < 2:
+        parser.error("--seq must be >= 2 (the loss needs a next token)")
+    return args
+
+
+def settings_and_shape(args: argparse.Namespace) -> tuple[Settings, Shape]:
+    """bf16 on the GPU; without one only ``--smoke`` runs (fp32 on CPU). Smoke mode: tiny shapes, 2 steps."""
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        raise SystemExit(
+            "gpu_check: this check needs a CUDA GPU and none is visible (torch.cuda.is_available() is False); "
+            "run with --smoke to exercise the code paths on CPU with tiny shapes"
+        )
+    shape = SMOKE if args.smoke else FULL
+    overrides = {"block_tokens": args.block_tokens, "batch": args.batch, "seq": args.seq}
+    shape = replace(shape, **{k: v for k, v in overrides.items() if v is not None})
+    settings = Settings(
+        device=torch.device("cuda") if cuda else torch.device("cpu"),
+        dtype=torch.bfloat16 if cuda else torch.float32,
+        smoke=args.smoke,
+        block_warmup=1 if args.smoke else args.block_warmup,
+        block_iters=2 if args.smoke else args.block_iters,
+        train_warmup=1 if args.smoke else args.train_warmup,
+        train_steps=2 if args.smoke else args.train_steps,
+        rounds=args.rounds,
+        telemetry=args.telemetry,
+    )
+    return settings, shape
+
+
+def environment(settings: Settings) -> dict[str, Any]:
+    """Device and library versions of this run."""
+    import transformers
+
+    info: dict[str, Any] = {
+        "device": settings.device.type,
+        "device_name": torch.cuda.get_device_name(settings.device) if settings.device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+        "dtype": str(settings.dtype).removeprefix("torch."),
+    }
+    try:
+        import ray
+
+        info["ray"] = ray.__version__
+    except ImportError:
+        info["ray"] = None
+    return info
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    settings, shape = settings_and_shape(args)
+    env = environment(settings)
+    peak, peak_note = peak_tflops(settings.device, args.peak_tflops)
+    print(
+        f"gpu_check on {env['device_name']} ({env['dtype']}), torch {env['torch']}, transformers {env['transformers']}"
+    )
+    if settings.smoke:
+        print("SMOKE MODE: tiny shapes, few iterations: the figures below are not meaningful")
+    result: dict[str, Any] = {
+        **env,
+        "smoke": settings.smoke,
+        "shape": asdict(shape),
+        "settings": {k: v for k, v in asdict(settings).items() if k not in ("device", "dtype")},
+        "peak_bf16_tflops": peak,
+        "peak_note": peak_note,
+    }
+    if "block" in args.parts:
+        result["block"] = run_block(shape, settings, peak)
+        release_memory(settings.device)
+        print_block(result["block"], peak, peak_note)
+    if "train" in args.parts:
+        result["train"] = run_train(shape, settings)
+        print_train(result["train"])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
