@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from _model_shape import SHAPES, save_checkpoint, shape_args
-from bench_layouts import LAYOUTS
+from bench_layouts import LAYOUTS, world_of
 
 
 def start_profile(ctx: Any) -> int:
@@ -50,7 +50,7 @@ def profile_raymoe(directory: Path, layout: dict[str, Any], data: list[torch.Ten
     import raymoe
 
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=max(2, layout_world(layout)), include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=max(2, world_of(layout)), include_dashboard=False, log_to_driver=False)
     with raymoe.from_pretrained(directory, distributed_config=layout) as model:
         model.configure_training(lr=1e-4, max_grad_norm=None)
         for ids in data[: args.warmup]:
@@ -87,14 +87,6 @@ def profile_one_process(directory: Path, data: list[torch.Tensor], args: argpars
         seconds = (time.perf_counter() - began) / args.steps
     print(f"one process: {seconds:.3f} s per step; torch threads {torch.get_num_threads()}")
     print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
-
-
-def layout_world(layout: dict[str, Any]) -> int:
-    sizes = [layout.get(k, 1) for k in ("dp_replicate_size", "fsdp_size", "tp_size", "pp_size")]
-    world = 1
-    for size in sizes:
-        world *= size
-    return world
 
 
 def main() -> None:
