@@ -193,54 +193,47 @@ def run_matrix(args: argparse.Namespace) -> list[Row]:
         with tempfile.TemporaryDirectory() as tmp:
             directory = Path(tmp)
             save_checkpoint(directory, shape)
-            for system, run in (
-                ("transformers", partial(transformers_run, directory, {}, shape, args)),
-                ("raymoe", partial(raymoe_one_process, directory, shape, args)),
-            ):
+            one_process = {
+                "transformers": partial(transformers_run, directory, {}, shape, args),
+                "raymoe": partial(raymoe_one_process, directory, shape, args),
+            }
+            for system, run in one_process.items():
                 measure(rows, (shape_name, "one process", system), 1, run, shape, args)
             for name in args.layouts:
-                layout = LAYOUTS[name]
-                if world_of(layout) not in args.worlds:
-                    continue
-                for _ in range(args.rounds):  # alternate the systems; each keeps its best round (least disturbed)
-                    measure(
-                        rows,
-                        (shape_name, name, "transformers+torchrun"),
-                        world_of(layout),
-                        partial(transformers_run, directory, layout, shape, args),
-                        shape,
-                        args,
-                    )
-                    measure(
-                        rows,
-                        (shape_name, name, "raymoe on Ray"),
-                        world_of(layout),
-                        partial(raymoe_on_ray, directory, layout, shape, args),
-                        shape,
-                        args,
-                    )
-                print(
-                    f"  {name}: "
-                    + ", ".join(
-                        f"{r.system} {r.tokens_per_s:.0f}" for k, r in rows.items() if k[:2] == (shape_name, name)
-                    ),
-                    flush=True,
-                )
+                if world_of(LAYOUTS[name]) in args.worlds:
+                    measure_layout(rows, directory, shape_name, name, args)
             if shape_name in args.ac_shapes and 2 in args.worlds:
-                long_batch = replace(shape, batch=args.ac_batch, seq=args.ac_seq)
-                for mode in AC_MODES:
-                    layout = {**LAYOUTS[AC_LAYOUT], "activation_checkpointing": mode}
-                    for _ in range(args.rounds):
-                        measure(
-                            rows,
-                            (shape_name, ac_row(mode, long_batch), "raymoe on Ray"),
-                            2,
-                            partial(raymoe_on_ray, directory, layout, long_batch, args),
-                            long_batch,
-                            args,
-                        )
+                measure_checkpointing(rows, directory, shape_name, args)
             write(list(rows.values()), args)
     return list(rows.values())
+
+
+def measure_layout(
+    rows: dict[tuple[str, str, str], Row], directory: Path, shape_name: str, name: str, args: argparse.Namespace
+) -> None:
+    """Both distributed systems on one layout, alternating for ``--rounds`` rounds (each keeps its best round)."""
+    shape, layout = SHAPES[shape_name], LAYOUTS[name]
+    systems = {
+        "transformers+torchrun": partial(transformers_run, directory, layout, shape, args),
+        "raymoe on Ray": partial(raymoe_on_ray, directory, layout, shape, args),
+    }
+    for _ in range(args.rounds):
+        for system, run in systems.items():
+            measure(rows, (shape_name, name, system), world_of(layout), run, shape, args)
+    measured = ", ".join(f"{r.system} {r.tokens_per_s:.0f}" for k, r in rows.items() if k[:2] == (shape_name, name))
+    print(f"  {name}: {measured}", flush=True)
+
+
+def measure_checkpointing(
+    rows: dict[tuple[str, str, str], Row], directory: Path, shape_name: str, args: argparse.Namespace
+) -> None:
+    """raymoe's ``AC_LAYOUT`` under each activation-checkpointing mode, on the longer ``--ac-batch x --ac-seq``."""
+    long_batch = replace(SHAPES[shape_name], batch=args.ac_batch, seq=args.ac_seq)
+    for mode in AC_MODES:
+        layout = {**LAYOUTS[AC_LAYOUT], "activation_checkpointing": mode}
+        run = partial(raymoe_on_ray, directory, layout, long_batch, args)
+        for _ in range(args.rounds):
+            measure(rows, (shape_name, ac_row(mode, long_batch), "raymoe on Ray"), 2, run, long_batch, args)
 
 
 def ac_row(mode: str, shape: Shape) -> str:
