@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -120,9 +121,7 @@ def shape_argv(shape: Shape, args: argparse.Namespace) -> list[str]:
     return [str(shape.batch), str(shape.seq), str(shape.vocab), str(args.warmup + args.steps), str(args.warmup)]
 
 
-def transformers_run(
-    directory: Path, layout: dict[str, int], shape: Shape, args: argparse.Namespace
-) -> tuple[list[float], list[float]]:
+def transformers_run(directory: Path, layout: dict[str, int], shape: Shape, args: argparse.Namespace) -> Measured:
     world = world_of(layout)
     launcher = (
         [sys.executable]
@@ -135,16 +134,12 @@ def transformers_run(
     )
 
 
-def raymoe_one_process(directory: Path, shape: Shape, args: argparse.Namespace) -> tuple[list[float], list[float]]:
+def raymoe_one_process(directory: Path, shape: Shape, args: argparse.Namespace) -> Measured:
     command = [sys.executable, str(RAYMOE_ONE_PROCESS_SCRIPT), str(directory), *shape_argv(shape, args)]
     return run_script(command, "raymoe one process", threads=ONE_PROCESS_THREADS)
 
 
-def raymoe_on_ray(
-    directory: Path, layout: dict[str, Any], shape: Shape, args: argparse.Namespace
-) -> tuple[list[float], list[float]]:
-    import time
-
+def raymoe_on_ray(directory: Path, layout: dict[str, Any], shape: Shape, args: argparse.Namespace) -> Measured:
     import raymoe
 
     gen = torch.Generator().manual_seed(1)
