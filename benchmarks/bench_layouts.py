@@ -42,6 +42,8 @@ import _peak_memory
 import torch
 from _model_shape import SHAPES, Shape, save_checkpoint
 
+from raymoe import DistributedConfig
+
 # name -> DistributedConfig sizes; the world size is their product
 LAYOUTS: dict[str, dict[str, int]] = {
     "fsdp2": {"fsdp_size": 2},
@@ -61,8 +63,9 @@ TRANSFORMERS_SCRIPT = HERE / "_torchrun_transformers.py"
 RAYMOE_ONE_PROCESS_SCRIPT = HERE / "_raymoe_one_process.py"
 
 
-def world_of(layout: dict[str, int]) -> int:
-    return layout.get("dp_replicate_size", 1) * layout.get("fsdp_size", 1) * layout.get("tp_size", 1)
+def world_of(layout: dict[str, Any]) -> int:
+    """The layout's world size, as raymoe's ``DistributedConfig`` computes it (CFG-1)."""
+    return DistributedConfig(**layout).world_size
 
 
 @dataclass
