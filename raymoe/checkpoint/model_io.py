@@ -121,7 +121,7 @@ def write_config(model: CausalLM, directory: str | os.PathLike[str]) -> Path:
     """The ``config.json`` the model was built from, with the dtype of the weights being saved, written (and
     flushed to disk) into ``directory``; a failure is a ``CheckpointSaveError`` naming the file and the cause."""
     raw = dict(model.config.raw)
-    raw["dtype"] = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    raw["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     raw.pop("torch_dtype", None)  # the transformers 4 spelling of "dtype"; keep one
     raw.pop("quantization_config", None)  # raymoe writes plain tensors (an MXFP4 checkpoint is saved dequantized)
     raw.setdefault("model_type", model.model_type)

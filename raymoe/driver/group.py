@@ -43,11 +43,12 @@ class RankGroup(Protocol):
 
 def one_per_batch(results: Sequence[T | None], topology: Topology) -> list[T]:
     """The answer of each distinct batch, in batch order: every rank of a tp group holds the same rows
-    (TOPO-1) and only its first rank answers (the others return None, see ``RankContext.answers_for_batch``)."""
+    (TOPO-1) and only its first rank, of the last pipeline stage, answers (the others return None, see
+    ``RankContext.answers_for_batch``)."""
     answers = []
-    for ranks in topology.batch_ranks():
-        answer = results[ranks[0]]
+    for batch, rank in enumerate(topology.answer_ranks()):
+        answer = results[rank]
         if answer is None:
-            raise RuntimeError(f"rank {ranks[0]}, the first of tp group {ranks}, returned no answer for its batch")
+            raise RuntimeError(f"rank {rank}, which answers for batch {batch}, returned no answer for it")
         answers.append(answer)
     return answers

@@ -11,6 +11,7 @@ unloads the model and leaves the ranks running for the next one).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -328,11 +329,25 @@ class DistributedModel:
         """
         config = OptimizerConfig(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, max_grad_norm=max_grad_norm)
         options = BalanceOptions(balance, router_aux_loss_coef, bias_update_rate, capacity_factor, telemetry)
-        settings = options.resolve(self.model_config)
+        settings = self._pipeline_balance(options.resolve(self.model_config))
         self._ranks().execute(configure_optimizer, config, settings)
         self._optimizer, self._balance = config, settings
         self._dead_experts.reset()
         self._step = 0
+
+    def _pipeline_balance(self, settings: BalanceConfig) -> BalanceConfig:
+        """Under pipeline parallelism routers run on several stages in pieces: the aux loss and bias balancing
+        are refused, and no routing is recorded (a step reports no expert-load metrics)."""
+        pp = self.topology.config.pp_size
+        if pp == 1:
+            return settings
+        if settings.aux_loss_coef > 0 or settings.bias_update_rate is not None:
+            raise ValueError(
+                f"configure_training: aux_loss_coef={settings.aux_loss_coef}, bias_update_rate="
+                f"{settings.bias_update_rate} with pp_size={pp}: load balancing (the aux loss, bias updates) is not "
+                "implemented under pipeline parallelism yet; use balance='none' (or a layout with pp_size=1)"
+            )
+        return dataclasses.replace(settings, record_routing=False)
 
     @property
     def step(self) -> int:
@@ -373,6 +388,7 @@ class DistributedModel:
         if lr is not None:
             check_lr(lr)
         batch, micro_of_rank = self._labelled_batch(input_ids, labels, attention_mask, micro_batches, document_ids)
+        self._check_pipeline_pieces(batch.input_ids.shape[0], micro_batches, micro_of_rank)
         args = [(micro, batch.num_label_tokens, lr) for micro in micro_of_rank]
         results: list[StepResult] = self._ranks().execute_per_rank(train_step, args)
         self._step += 1
@@ -390,6 +406,21 @@ class DistributedModel:
         metrics.update(self._routing_metrics(firsts))
         metrics["loss"] = lm_loss + self._balance.aux_loss_coef * metrics.get("aux_loss", 0.0)
         return metrics
+
+    def _check_pipeline_pieces(self, rows: int, micro_batches: int, micro_of_rank: list[list[MicroBatch]]) -> None:
+        """Under pipeline parallelism each rank's micro-batch is cut into ``pp_microbatches`` equal pieces."""
+        config = self.topology.config
+        pieces = config.pp_microbatches
+        if config.pp_size == 1 or pieces is None:
+            return
+        sizes = sorted({micro.input_ids.shape[0] for micros in micro_of_rank for micro in micros})
+        if any(size % pieces for size in sizes):
+            raise ValueError(
+                f"pp_microbatches={pieces} must divide the rows of every micro-batch a rank runs: the global batch "
+                f"of {rows} rows over dp_size={config.dp_size} with micro_batches={micro_batches} gives micro-batches "
+                f"of {', '.join(map(str, sizes))} rows; use a global batch of a multiple of "
+                f"{pieces * config.dp_size * micro_batches} rows or change pp_microbatches"
+            )
 
     def _routing_metrics(self, firsts: list[StepResult]) -> dict[str, Any]:
         """Routing telemetry of a step (MoE models): loads, imbalance, dead experts, drops, the aux loss."""

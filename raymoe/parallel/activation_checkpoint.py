@@ -59,7 +59,8 @@ def apply_activation_checkpointing(model: CausalLM, mode: str) -> None:
         raise ValueError(f"activation_checkpointing={mode!r}: choose one of {', '.join(MODES)}")
     if mode == "none":
         return
-    for layer in model.model.layers:
+    for index in model.kept_layers():
+        layer = model.model.layers[index]
         if mode == "selective":
             checkpoint(layer, context_fn=_selective_contexts)
         else:

@@ -9,17 +9,21 @@ sharded on.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
 
-def grad_norm(params: list[nn.Parameter]) -> Tensor:
+def grad_norm(
+    params: list[nn.Parameter], across: dist.ProcessGroup | None = None, device: torch.device | None = None
+) -> Tensor:
     """The 2-norm of all gradients as one vector, over both meshes (SPEC TRAIN-2).
 
     Squares of the local shards are summed with plain tensor ops per layout (mesh, placements);
     each layout's sum is then reduced once, over the mesh axes its gradients are sharded on
-    (a sharded axis holds different pieces, a replicated one the same piece).
+    (a sharded axis holds different pieces, a replicated one the same piece). ``across`` (the
+    pipeline group; tensors on ``device``) holds the other parameters of the model: its ranks' sums add up.
     """
     # (mesh, placements) of a DTensor gradient; None for plain tensors, which every rank holds whole
     locals_by_layout: dict[tuple[DeviceMesh, tuple[Placement, ...]] | None, list[Tensor]] = {}
@@ -38,6 +42,10 @@ def grad_norm(params: list[nn.Parameter]) -> Tensor:
             summed_over = [Replicate() if p.is_replicate() else Partial() for p in placements]
             square = DTensor.from_local(square, mesh, summed_over, run_check=False).full_tensor()
         total = total + square.cpu()
+    if across is not None:
+        summed = total.to(device)
+        dist.all_reduce(summed, group=across)
+        total = summed.cpu()
     return total.sqrt()
 
 

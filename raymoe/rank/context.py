@@ -8,8 +8,8 @@ outlives the models loaded on it: each load sets the layout it was resolved for
 
 Two meshes over the same ranks, named as in :mod:`raymoe.spec.topology`::
 
-    dense  (dp_replicate, fsdp,  tp)     ctx.mesh("tp"), ctx.mesh("fsdp"), ctx.mesh("dp_replicate")
-    expert (dp_replicate, efsdp, ep)     ctx.mesh("ep"), ctx.mesh("efsdp")
+    dense  (dp_replicate, pp, fsdp,  tp)     ctx.mesh("tp"), ctx.mesh("fsdp"), ctx.mesh("dp_replicate"), ctx.mesh("pp")
+    expert (dp_replicate, pp, efsdp, ep)     ctx.mesh("ep"), ctx.mesh("efsdp")
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from raymoe.models.common.decoder import CausalLM
@@ -32,6 +33,7 @@ from raymoe.spec.optimizer import OptimizerConfig
 from raymoe.spec.topology import DENSE_AXES, EXPERT_AXES, Axis, RankCoords, Topology
 
 if TYPE_CHECKING:
+    from raymoe.rank.pipeline import PipelineRuntime
     from raymoe.rank.state import PendingSave
 
 Backend = Literal["nccl", "gloo"]
@@ -75,13 +77,33 @@ class Training:
 
 @dataclass
 class LoadedModel:
-    """The model this rank holds a shard of, the launch spec it was loaded from, and its training state."""
+    """The model this rank holds a shard of, the launch spec it was loaded from, and its training state.
 
-    model: CausalLM
+    ``parts`` is the whole model (one part), or under pipeline parallelism the parts of the stages this
+    rank runs (``spec.stages.stages_of(pp)``, in order; several with an interleaved schedule).
+    """
+
+    parts: tuple[CausalLM, ...]
     spec: LaunchSpec
     training: Training | None = None
     generation: Generation | None = None  # a stream in progress (raymoe.rank.infer)
     pending_save: PendingSave | None = None  # an asynchronous save_state still writing (raymoe.rank.state)
+    stage_ids: tuple[int, ...] = (0,)  # the pipeline stage of each part
+    pipeline: PipelineRuntime | None = None  # the schedules built for these stages (raymoe.rank.pipeline)
+
+    @property
+    def model(self) -> CausalLM:
+        """The whole model; an error under pipeline parallelism, where a rank holds only its stages' ``parts``."""
+        if self.spec.stages is not None:
+            raise RuntimeError(
+                f"this rank holds pipeline stages {self.stage_ids} (pp_size={self.spec.topology.config.pp_size}), "
+                "not the whole model: use LoadedModel.parts"
+            )
+        return self.parts[0]
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Every parameter this rank holds a shard of, by its name in the whole model."""
+        return [item for part in self.parts for item in part.named_parameters()]
 
     def require_training(self) -> Training:
         if self.training is None:
@@ -152,8 +174,9 @@ class RankContext:
 
     @property
     def answers_for_batch(self) -> bool:
-        """True on the first rank of each tp group: it returns the results of its batch rows (TOPO-1)."""
-        return self.coords.tp == 0
+        """True on the first rank of each tp group of the last pipeline stage: it returns the results of its
+        batch rows (TOPO-1)."""
+        return self.topology.answers(self.rank)
 
     def require_model(self) -> LoadedModel:
         if self.loaded is None:

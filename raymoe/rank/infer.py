@@ -15,9 +15,11 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from raymoe.models.common.generation import Generation, SamplingConfig, StopRules
+from raymoe.models.common.decoder import CausalLM
+from raymoe.models.common.generation import Decoder, Generation, SamplingConfig, StopRules
 from raymoe.parallel.fsdp import reshard
 from raymoe.rank.context import RankContext
+from raymoe.rank.pipeline import StagedDecoder, forward_through_stages
 from raymoe.spec.topology import Axis
 
 
@@ -40,13 +42,25 @@ def forward_logits(
 ) -> Tensor | None:
     """``logits [B_local, S, V]`` (``[B_local, V]`` at each row's last real token with ``last_only``) on CPU,
     from the first rank of each tp group; None elsewhere (same rows). ``document_ids``: packed rows."""
-    model = ctx.require_model().model
-    model.eval()
+    loaded = ctx.require_model()
     mask = attention_mask_BS.to(ctx.device) if attention_mask_BS is not None else None
     documents = document_ids_BS.to(ctx.device) if document_ids_BS is not None else None
     last_B = _last_real(input_ids_BS, attention_mask_BS).to(ctx.device) if last_only else None
-    logits = model(input_ids_BS.to(ctx.device), None, mask, last_B, documents)
-    reshard(model)
+    for part in loaded.parts:
+        part.eval()
+
+    def run(part: CausalLM, inputs: Tensor) -> Tensor:
+        out: Tensor = part(inputs, None, mask, last_B, documents)
+        return out
+
+    if loaded.spec.stages is not None:
+        logits = forward_through_stages(ctx, loaded, input_ids_BS, run)
+    else:
+        logits = run(loaded.model, input_ids_BS.to(ctx.device))
+    for part in loaded.parts:
+        reshard(part)
+    if logits is None:
+        return None
     if isinstance(logits, DTensor):
         logits = logits.full_tensor()
     return logits.cpu() if ctx.answers_for_batch else None
@@ -74,7 +88,8 @@ def generate_tokens(
         generation.step()
         if not in_step and generation.done:
             break
-    reshard(ctx.require_model().model)
+    for part in ctx.require_model().parts:
+        reshard(part)
     if not ctx.answers_for_batch:
         return None
     return generation.result().cpu(), generation.lengths_B.cpu()
@@ -101,14 +116,17 @@ def end_stream(ctx: RankContext) -> None:
     """Drop the kept generation and its KV cache."""
     loaded = ctx.require_model()
     loaded.generation = None
-    reshard(loaded.model)
+    for part in loaded.parts:
+        reshard(part)
 
 
 def _start(
     ctx: RankContext, input_ids_BS: Tensor, attention_mask_BS: Tensor | None, row_ids: Tensor, request: DecodeRequest
 ) -> Generation:
-    model = ctx.require_model().model
-    model.eval()
+    loaded = ctx.require_model()
+    for part in loaded.parts:
+        part.eval()
+    model: Decoder | CausalLM = StagedDecoder(ctx, loaded) if loaded.spec.stages is not None else loaded.model
     return Generation(
         model,
         input_ids_BS.to(ctx.device),
@@ -121,5 +139,6 @@ def _start(
 
 
 def _in_step(ctx: RankContext) -> bool:
-    """Ranks with different rows share collectives at every step (FSDP gathers, expert all-to-alls)."""
+    """Ranks with different rows share collectives at every step (FSDP gathers, expert all-to-alls); the stages
+    of a pipeline are all in every step."""
     return ctx.topology.config.dp_size > 1 or ctx.topology.axis_size(Axis.EP) > 1

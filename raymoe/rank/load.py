@@ -12,6 +12,7 @@ unexpected / wrong-shape tensors), so a bad checkpoint fails before anything is 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -25,11 +26,13 @@ from raymoe.models.common.decoder import CausalLM
 from raymoe.parallel.activation_checkpoint import apply_activation_checkpointing
 from raymoe.parallel.apply import apply_rules
 from raymoe.parallel.fsdp import FsdpUnits, apply_fsdp
+from raymoe.parallel.pipeline import paths_held, rules_held
 from raymoe.parallel.sharding import Block, read_local_shard
 from raymoe.parallel.styles import ParallelStyle
 from raymoe.rank.context import LoadedModel, RankContext
 from raymoe.spec.config import DistributedConfig
 from raymoe.spec.launch import LaunchSpec
+from raymoe.spec.plans import ResolvedPlans
 from raymoe.spec.topology import Axis
 
 
@@ -43,18 +46,38 @@ class LoadReport:
 
 
 def load_shards(ctx: RankContext, spec: LaunchSpec) -> LoadReport:
-    """Build, shard and load the model of ``spec`` on this rank, under the spec's layout; kept in ``ctx.loaded``."""
+    """Build, shard and load the model of ``spec`` on this rank, under the spec's layout; kept in ``ctx.loaded``.
+
+    Under pipeline parallelism the rank builds only the parts of its stages (``spec.stages``), each sharded by
+    the plan rules it holds, and reads only their parameters.
+    """
     ctx.loaded = None  # a model loaded earlier on this world is dropped before the new one takes memory
     ctx.use_layout(spec.topology)
     model = spec.build_meta_model()
+    stage_ids = spec.stages.stages_of(ctx.coords.pp) if spec.stages is not None else (0,)
     with open_checkpoint(spec.source, model, revision=spec.revision, cache_dir=spec.cache_dir) as reader:
         reader.check({name: param.shape for name, param in model.named_parameters()}, model_name=type(model).__name__)
-        model.to(spec.torch_dtype or reader.dtype("model.embed_tokens.weight"))
-        shard_on_meta(model, spec, ctx)
-        model.to_empty(device=ctx.device)
-        bytes_read = _read_shards(model, reader)
-    ctx.loaded = LoadedModel(model, spec)
-    return LoadReport(ctx.rank, bytes_read, _bytes_held(model))
+        dtype = spec.torch_dtype or reader.dtype("model.embed_tokens.weight")
+        parts = (model,) if spec.stages is None else tuple(spec.build_meta_part(stage) for stage in stage_ids)
+        bytes_read = 0
+        for part in parts:
+            part.to(dtype)
+            shard_on_meta(part, spec, ctx, part_plans(spec.plans, part) if spec.stages is not None else spec.plans)
+            part.to_empty(device=ctx.device)
+            bytes_read += _read_shards(part, reader)
+    ctx.loaded = LoadedModel(parts, spec, stage_ids=stage_ids)
+    return LoadReport(ctx.rank, bytes_read, sum(_bytes_held(part) for part in parts))
+
+
+def part_plans(plans: ResolvedPlans, part: CausalLM) -> ResolvedPlans:
+    """``plans`` restricted to what a pipeline stage's ``part`` holds (:mod:`raymoe.parallel.pipeline`)."""
+    return dataclasses.replace(
+        plans,
+        tp_rules=rules_held(plans.tp_rules, part),
+        ep_rules=rules_held(plans.ep_rules, part),
+        fsdp_rules=rules_held(plans.fsdp_rules, part),
+        expert_modules=paths_held(plans.expert_modules, part),
+    )
 
 
 def unload_model(ctx: RankContext) -> None:
@@ -62,9 +85,10 @@ def unload_model(ctx: RankContext) -> None:
     ctx.loaded = None
 
 
-def shard_on_meta(model: CausalLM, spec: LaunchSpec, ctx: RankContext) -> None:
-    """TP rules, then EP rules, activation checkpointing, then FSDP2, on the model while it is still on meta."""
-    plans, config = spec.plans, spec.topology.config
+def shard_on_meta(model: CausalLM, spec: LaunchSpec, ctx: RankContext, plans: ResolvedPlans | None = None) -> None:
+    """TP rules, then EP rules, activation checkpointing, then FSDP2, on the model (or a pipeline stage's part of
+    it, with ``plans`` restricted to that part) while it is still on meta."""
+    plans, config = plans if plans is not None else spec.plans, spec.topology.config
     if plans.tp_rules:
         apply_rules(model, plans.tp_rules, ctx.mesh(Axis.TP), plans.styles)
     if plans.ep_rules:

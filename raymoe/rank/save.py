@@ -20,12 +20,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from raymoe.checkpoint.model_io import save_model
 from raymoe.models.common.decoder import CausalLM
-from raymoe.rank.context import RankContext
+from raymoe.rank.context import LoadedModel, RankContext
+from raymoe.spec.topology import Axis
 
 
 @dataclass(frozen=True)
@@ -39,9 +42,17 @@ class SaveResult:
 
 
 def save_gathered(ctx: RankContext, directory: str, max_shard_size: int) -> SaveResult:
-    """Every rank gathers; rank 0 writes under ``directory`` (on its node) and answers the files or the failure."""
-    model = ctx.require_model().model
-    tensors = _gathered(model)
+    """Every rank gathers; rank 0 writes under ``directory`` (on its node) and answers the files or the failure.
+
+    Under pipeline parallelism every stage gathers its own parameters, and the rank of rank 0's pp group that
+    holds a stage sends them on to rank 0, which writes the whole model as one checkpoint.
+    """
+    loaded = ctx.require_model()
+    if loaded.spec.stages is None:
+        model, tensors = loaded.model, _gathered(loaded.model)
+    else:
+        model = loaded.spec.build_meta_model().to(next(loaded.parts[0].parameters()).dtype)
+        tensors = _gathered_stages(ctx, loaded, model)
     if ctx.rank != 0:
         _join_remaining(tensors)
         return SaveResult()
@@ -57,6 +68,39 @@ def save_gathered(ctx: RankContext, directory: str, max_shard_size: int) -> Save
 def _gathered(model: CausalLM) -> Iterator[tuple[str, Tensor]]:
     for name, param in model.named_parameters():
         yield name, (param.full_tensor() if isinstance(param, DTensor) else param.detach())
+
+
+def _gathered_stages(ctx: RankContext, loaded: LoadedModel, whole: CausalLM) -> Iterator[tuple[str, Tensor]]:
+    """Every parameter of the ``whole`` (meta) model in its order, full, on rank 0: gathered inside the stage
+    that holds it (its ranks only), then sent to rank 0 over the pp group when another stage holds it."""
+    mine = dict(loaded.named_parameters())
+    group = ctx.mesh(Axis.PP).get_group()
+    zero_group = ctx.topology.group_of(0, Axis.PP)  # rank 0 and the ranks at its place in the other stages
+    plan = loaded.spec.stages
+    assert plan is not None
+    owners = {name: plan.rank_of(stage) for stage in range(plan.num_stages) for name in _part_names(loaded, stage)}
+    for name, meta in whole.named_parameters():
+        owner = owners[name]
+        full: Tensor | None = None
+        if name in mine:
+            param = mine[name]
+            full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+        if ctx.rank not in zero_group or owner == 0:
+            if ctx.rank == 0:
+                assert full is not None
+                yield name, full
+            continue
+        if ctx.rank == 0:
+            received = torch.empty(meta.shape, dtype=meta.dtype, device=ctx.device)
+            dist.recv(received, group=group, group_src=owner)
+            yield name, received
+        elif ctx.coords.pp == owner:
+            assert full is not None
+            dist.send(full.contiguous(), group=group, group_dst=0)
+
+
+def _part_names(loaded: LoadedModel, stage: int) -> list[str]:
+    return [name for name, _ in loaded.spec.build_meta_part(stage).named_parameters()]
 
 
 def _join_remaining(tensors: Iterator[tuple[str, Tensor]]) -> None:

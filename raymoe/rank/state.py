@@ -180,11 +180,11 @@ def _bytes_written(metadata: Metadata, rank: int) -> int:
 def training_state_dict(ctx: RankContext, loaded: LoadedModel) -> dict[str, Any]:
     """This rank's entries of the state (format: :mod:`raymoe.checkpoint.training_state`), sharing storage with
     the model and optimizer; moments a parameter does not have yet (no step taken) are zeros, as AdamW starts."""
-    model = loaded.model
-    _reshard(model)
+    for part in loaded.parts:
+        _reshard(part)
     optimizer = loaded.require_training().optimizer
-    state: dict[str, Any] = {model_key(name): value.detach() for name, value in model_entries(model).items()}
-    for name, param in model.named_parameters():
+    state: dict[str, Any] = {model_key(name): value.detach() for name, value in _entries(loaded).items()}
+    for name, param in loaded.named_parameters():
         if not param.requires_grad:
             continue
         moments = optimizer.state.get(param) or {}
@@ -207,11 +207,11 @@ def load_training_state(
     (``optimizer``, ``balance``) with the saved moments, and this rank's RNG (when the state has rank
     ``ctx.rank``'s). On failure answer it and change nothing."""
     loaded = ctx.require_model()
-    model = loaded.model
-    _reshard(model)
+    for part in loaded.parts:
+        _reshard(part)
     start = time.perf_counter()
     reader = FileSystemReader(directory)
-    fresh = _empty_state(ctx, model)
+    fresh = _empty_state(loaded)
     has_rng = rng_key(ctx.rank) in reader.read_metadata().state_dict_metadata
     if has_rng:
         fresh[rng_key(ctx.rank)] = b""
@@ -221,17 +221,22 @@ def load_training_state(
         cause, errno = describe_failure(error)
         return StateAnswer(error=cause, errno=errno, seconds=time.perf_counter() - start)
     configure_optimizer(ctx, optimizer, balance)
-    _assign(model, loaded, fresh)
+    _assign(loaded, fresh)
     if has_rng:
         _set_rng(fresh[rng_key(ctx.rank)], ctx.device)
     return StateAnswer(seconds=time.perf_counter() - start)
 
 
-def _empty_state(ctx: RankContext, model: CausalLM) -> dict[str, Any]:
+def _entries(loaded: LoadedModel) -> dict[str, Tensor]:
+    """The model's tensors this rank holds (of every pipeline stage it runs), by name in the whole model."""
+    return {name: value for part in loaded.parts for name, value in model_entries(part).items()}
+
+
+def _empty_state(loaded: LoadedModel) -> dict[str, Any]:
     """Uninitialised tensors laid out like this rank's parameters, buffers and moments: what DCP reads into."""
-    entries = model_entries(model).items()
+    entries = _entries(loaded).items()
     state: dict[str, Any] = {model_key(name): torch.empty_like(value.detach()) for name, value in entries}
-    for name, param in model.named_parameters():
+    for name, param in loaded.named_parameters():
         if param.requires_grad:
             for moment in MOMENTS:
                 state[optimizer_key(name, moment)] = torch.empty_like(param.detach())
@@ -239,13 +244,13 @@ def _empty_state(ctx: RankContext, model: CausalLM) -> dict[str, Any]:
     return state
 
 
-def _assign(model: CausalLM, loaded: LoadedModel, fresh: dict[str, Any]) -> None:
+def _assign(loaded: LoadedModel, fresh: dict[str, Any]) -> None:
     """Copy the read tensors into the model's own storage; the moments become the new AdamW's state."""
     optimizer = loaded.require_training().optimizer
     with torch.no_grad():
-        for name, value in model_entries(model).items():
+        for name, value in _entries(loaded).items():
             _local(value).copy_(_local(fresh[model_key(name)]))
-    for name, param in model.named_parameters():
+    for name, param in loaded.named_parameters():
         if param.requires_grad:
             optimizer.state[param] = {
                 "step": fresh[optimizer_key(name, "step")],

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -37,6 +38,7 @@ from raymoe.rank.balance import (
     update_selection_bias,
 )
 from raymoe.rank.context import LoadedModel, RankContext, Training
+from raymoe.rank.pipeline import pipeline_group, train_pipeline_micro_batch
 from raymoe.spec.balance import BalanceConfig
 from raymoe.spec.optimizer import OptimizerConfig
 
@@ -78,7 +80,6 @@ def configure_optimizer(ctx: RankContext, config: OptimizerConfig, balance: Bala
     """A fresh AdamW over this rank's parameters, one group per mesh (dense, expert), and the load-balancing
     settings; replaces earlier state."""
     loaded = ctx.require_model()
-    model = loaded.model
     groups = [{"params": params, "mesh": name} for name, params in parameter_groups(loaded).items() if params]
     # foreach: one multi-tensor op per update step instead of one DTensor dispatch per parameter
     optimizer = torch.optim.AdamW(
@@ -86,19 +87,20 @@ def configure_optimizer(ctx: RankContext, config: OptimizerConfig, balance: Bala
     )
     settings = balance or BalanceConfig()
     loaded.training = Training(optimizer, config, settings)
-    record_routing(model, settings.record_routing)
-    for router in routers(model):
-        router.capacity_factor = settings.capacity_factor
+    for part in loaded.parts:
+        record_routing(part, settings.record_routing)
+        for router in routers(part):
+            router.capacity_factor = settings.capacity_factor
 
 
 def parameter_groups(loaded: LoadedModel) -> dict[str, list[nn.Parameter]]:
     """One group per mesh (SPEC TRAIN-2): ``dense`` and ``expert`` DTensor parameters, and ``replicated``
     plain tensors (tensor parallelism without FSDP leaves norms unsharded), since a multi-tensor
     optimizer step cannot mix DTensors and plain tensors. Experts count as dense without EP."""
-    model, plans = loaded.model, loaded.spec.plans
+    plans = loaded.spec.plans
     expert_paths = set(plans.expert_modules) if plans.ep_rules else set()
     groups: dict[str, list[nn.Parameter]] = {"dense": [], "expert": [], "replicated": []}
-    for name, param in model.named_parameters():
+    for name, param in loaded.named_parameters():
         if not isinstance(param, DTensor):
             groups["replicated"].append(param)
         else:
@@ -116,9 +118,11 @@ def train_step(
     gradients only after the last micro-batch.
     """
     loaded = ctx.require_model()
+    if loaded.spec.stages is not None:
+        return _pipeline_train_step(ctx, loaded, micro_batches, global_tokens, lr)
     model = loaded.model
     training = loaded.require_training()
-    optimizer, config, balance = training.optimizer, training.config, training.balance
+    balance = training.balance
     model.train()
     loss_sum = torch.zeros((), dtype=torch.float32)
     routings: list[Routing] = []
@@ -139,15 +143,7 @@ def train_step(
         loss_sum += micro_loss.detach().float().cpu()
         if routing is not None:
             routings.append(routing)
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    norm = grad_norm(params)
-    if config.max_grad_norm is not None:
-        clip_grads(params, norm, config.max_grad_norm)
-    if lr is not None:
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    norm = _optimizer_step(training, lr)
     load_LE = torch.stack([r.load_LE for r in routings]).sum(dim=0).cpu() if routings else None
     dropped_L = torch.stack([r.dropped_L for r in routings]).sum(dim=0).cpu() if routings else None
     stats = torch.stack([r.aux_stats() for r in routings]).cpu() if routings else None
@@ -161,3 +157,37 @@ def train_step(
         dropped_pairs=dropped_L if answers else None,
         aux_stats=stats if answers else None,
     )
+
+
+def _optimizer_step(
+    training: Training, lr: float | None, across: dist.ProcessGroup | None = None, device: torch.device | None = None
+) -> Tensor:
+    """Clip by the global gradient norm (summed ``across`` the pipeline stages), step AdamW, clear the gradients;
+    returns the norm before clipping."""
+    optimizer, config = training.optimizer, training.config
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    norm = grad_norm(params, across=across, device=device)
+    if config.max_grad_norm is not None:
+        clip_grads(params, norm, config.max_grad_norm)
+    if lr is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def _pipeline_train_step(
+    ctx: RankContext, loaded: LoadedModel, micro_batches: list[MicroBatch], global_tokens: int, lr: float | None
+) -> StepResult:
+    """A step under pipeline parallelism (:mod:`raymoe.rank.pipeline`): each micro-batch through the schedule, the
+    gradient norm over every stage, AdamW. Routing is not recorded (the driver refuses the aux loss and bias
+    balancing with pp_size > 1)."""
+    training = loaded.require_training()
+    loss_sum = torch.zeros((), dtype=torch.float32)
+    for micro in micro_batches:
+        loss_sum += train_pipeline_micro_batch(
+            ctx, loaded, micro.input_ids, micro.labels, micro.document_ids, global_tokens
+        )
+    norm = _optimizer_step(training, lr, across=pipeline_group(ctx), device=ctx.device)
+    return StepResult(loss_sum=float(loss_sum) if ctx.answers_for_batch else 0.0, grad_norm=float(norm))

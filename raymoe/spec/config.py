@@ -37,6 +37,9 @@ from raymoe.parallel.styles import STYLES, ExpertRole
 
 PlanDict = dict[StrictStr, StrictStr]
 
+# Pipeline schedules (torch.distributed.pipelining's GPipe, 1F1B, Interleaved1F1B).
+PipelineScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+
 # Expert-parallel mechanisms a resolved ep_plan can select (SPEC §5; chosen in spec/plans.py).
 ExpertMode = Literal["none", "masking", "dispatch"]
 
@@ -89,6 +92,19 @@ class DistributedConfig(BaseModel):
         "matmul and attention outputs (selective)",
     )
     pp_size: int | None = Field(default=None, ge=1, description="pipeline degree")
+    pp_schedule: PipelineScheduleName = Field(
+        default="1f1b", description="pipeline schedule: 'gpipe', '1f1b' or 'interleaved_1f1b' (pp_size > 1)"
+    )
+    pp_microbatches: int | None = Field(
+        default=None, ge=1, description="micro-batches of each rank's rows per pipeline step (default: pp_size)"
+    )
+    pp_stages_per_rank: int | None = Field(
+        default=None, ge=1, description="model chunks each pipeline rank holds (interleaved_1f1b: default 2; else 1)"
+    )
+    pp_split: list[int] | None = Field(
+        default=None,
+        description="first decoder layer of every stage after the first (default: balanced by parameter count)",
+    )
     ep_size: int | None = Field(default=None, ge=1, description="expert-parallel degree")
     ep_plan: PlanDict | None = Field(default=None, description="EP plan override")
 
@@ -129,6 +145,7 @@ class DistributedConfig(BaseModel):
                 self._set(field, 1)
         self._default_tp_size()
         self._default_ep_size()
+        self._default_pipeline()
         if self.tp_size is not None:
             self._check_sizes(self.tp_size)
         self._check_overridden_expert_mode()
@@ -162,6 +179,62 @@ class DistributedConfig(BaseModel):
             if self.tp_plan is None:
                 self._set("tp_plan", {})
         self._set("enable_expert_parallel", False)
+
+    def _default_pipeline(self) -> None:
+        """CFG-10: the pipeline options are defaulted and checked against pp_size and each other."""
+        options = {
+            name: getattr(self, name)
+            for name in ("pp_microbatches", "pp_stages_per_rank", "pp_split")
+            if getattr(self, name) is not None
+        }
+        if self.pp_schedule != "1f1b":
+            options["pp_schedule"] = self.pp_schedule
+        if self._pp == 1:
+            if options:
+                warnings.warn(
+                    f"pipeline options {options} are ignored because pp_size=1: they apply only when pp_size > 1 "
+                    "[CFG-10]",
+                    UserWarning,
+                    stacklevel=_caller_stacklevel(),
+                )
+            return
+        interleaved = self.pp_schedule == "interleaved_1f1b"
+        if self.pp_stages_per_rank is None:
+            self._set("pp_stages_per_rank", 2 if interleaved else 1)
+        if interleaved and self.stages_per_rank < 2:
+            raise _rule_error(
+                "CFG-10", f"pp_schedule='interleaved_1f1b' needs pp_stages_per_rank >= 2, got {self.pp_stages_per_rank}"
+            )
+        if not interleaved and self.stages_per_rank != 1:
+            raise _rule_error(
+                "CFG-10",
+                f"pp_stages_per_rank={self.pp_stages_per_rank} needs pp_schedule='interleaved_1f1b'; "
+                f"pp_schedule={self.pp_schedule!r} runs one stage per rank",
+            )
+        if self.pp_microbatches is None:
+            self._set("pp_microbatches", self._pp)
+        microbatches = self.pp_microbatches
+        assert microbatches is not None  # defaulted above
+        if self.pp_schedule != "gpipe" and microbatches < self._pp:
+            raise _rule_error(
+                "CFG-10",
+                f"pp_microbatches={microbatches} must be at least pp_size={self.pp_size} for "
+                f"pp_schedule={self.pp_schedule!r} (every stage needs a micro-batch in flight)",
+            )
+        if interleaved and microbatches % self._pp:
+            raise _rule_error(
+                "CFG-10",
+                f"pp_microbatches={microbatches} must be a multiple of pp_size={self.pp_size} for "
+                "pp_schedule='interleaved_1f1b'",
+            )
+        if self.pp_split is not None:
+            split = self.pp_split
+            if len(split) != self.num_stages - 1 or any(b <= a for a, b in zip([0, *split], split, strict=False)):
+                raise _rule_error(
+                    "CFG-10",
+                    f"pp_split={split} must list {self.num_stages - 1} increasing layer indices above 0, the first "
+                    f"layer of every stage after the first (pp_size * pp_stages_per_rank = {self.num_stages} stages)",
+                )
 
     def _default_tp_size(self) -> None:
         if self.tp_size is not None:
@@ -267,6 +340,16 @@ class DistributedConfig(BaseModel):
     def _pp(self) -> int:
         assert self.pp_size is not None  # normalised
         return self.pp_size
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Model chunks (pipeline stages) each pipeline rank holds: 1 without pipelines."""
+        return (self.pp_stages_per_rank or 1) if self._pp > 1 else 1
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages of the model: ``pp_size * pp_stages_per_rank`` (1 without pipelines)."""
+        return self._pp * self.stages_per_rank
 
     def resolve(self, world_size: int) -> DistributedConfig:
         """This config bound to ``world_size`` ranks: fills a deferred tp_size and checks CFG-1."""

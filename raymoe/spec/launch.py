@@ -24,6 +24,7 @@ from raymoe.models.common.config import read_config_file
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.registry import build_model, parse_model_config
 from raymoe.spec.config import DistributedConfig
+from raymoe.spec.pipeline import StagePlan, plan_stages
 from raymoe.spec.plans import ResolvedPlans, resolve_plans
 from raymoe.spec.topology import Topology, build_topology
 
@@ -41,9 +42,17 @@ class LaunchSpec:
     dtype: str | None
     topology: Topology
     plans: ResolvedPlans
+    stages: StagePlan | None = None  # pipeline stages (pp_size > 1)
 
     def build_meta_model(self) -> CausalLM:
         return build_model(parse_model_config(self.model_config), device="meta")
+
+    def build_meta_part(self, stage: int) -> CausalLM:
+        """The part of the meta model that pipeline ``stage`` runs (:meth:`CausalLM.keep_part`)."""
+        assert self.stages is not None
+        model = self.build_meta_model()
+        model.keep_part(self.stages.layers(stage), self.stages.is_first(stage), self.stages.is_last(stage))
+        return model
 
     @property
     def torch_dtype(self) -> torch.dtype | None:
@@ -91,6 +100,7 @@ def prepare_launch(
     if Path(name_or_path).expanduser().is_dir():  # a hub id's weights are fetched by each rank, on its node
         check_checkpoint(Path(name_or_path).expanduser(), model)
     plans = resolve_plans(model, model.default_plans(), topology.config, num_experts=model.num_experts)
+    stages = plan_stages(model, topology.config)
     return LaunchSpec(
         source=str(name_or_path),
         revision=revision,
@@ -99,4 +109,5 @@ def prepare_launch(
         dtype=dtype_of_weights,
         topology=topology,
         plans=plans,
+        stages=stages,
     )

@@ -4,11 +4,20 @@ Pure functions of a :class:`~raymoe.spec.config.DistributedConfig` and a world s
 touches a process group. Ranks are laid out row-major with tp innermost, in two views of the
 same ranks (a rank's id is the same in both)::
 
-    dense  view  (dp_replicate, fsdp,  tp)    attention, dense MLPs, embeddings, norms
-    expert view  (dp_replicate, efsdp, ep)    expert weights;  efsdp * ep == fsdp * tp
+    dense  view  (dp_replicate, pp, fsdp,  tp)    attention, dense MLPs, embeddings, norms
+    expert view  (dp_replicate, pp, efsdp, ep)    expert weights;  efsdp * ep == fsdp * tp
 
-    rank = (dp_replicate * fsdp_size + fsdp) * tp_size + tp
-         = (dp_replicate * efsdp_size + efsdp) * ep_size + ep
+    rank = ((dp_replicate * pp_size + pp) * fsdp_size + fsdp) * tp_size + tp
+         = ((dp_replicate * pp_size + pp) * efsdp_size + efsdp) * ep_size + ep
+
+A pipeline stage (pp coordinate) is a block of ``fsdp_size * tp_size`` consecutive ranks inside its
+replica; the TOPO rules below hold inside each stage. Every stage of a replica sees the same batches:
+the first stage reads the token ids, the last the labels, and the last stage's first tp rank answers::
+
+    pp=2, fsdp=2, tp=1
+    rank     0    1    2    3
+    stage    0    0    1    1        layers split between the stages (raymoe.spec.pipeline)
+    batch    B0   B1   B0   B1       rank 0 sends its activations to rank 2, rank 1 to rank 3
 
 tp=2, fsdp=4, 8 experts (SPEC TOPO-3)::
 
@@ -35,14 +44,15 @@ class Axis(StrEnum):
     """Mesh axis names, shared with the DeviceMeshes the runtime builds."""
 
     DP_REPLICATE = "dp_replicate"
+    PP = "pp"
     FSDP = "fsdp"
     TP = "tp"
     EFSDP = "efsdp"
     EP = "ep"
 
 
-DENSE_AXES = (Axis.DP_REPLICATE, Axis.FSDP, Axis.TP)
-EXPERT_AXES = (Axis.DP_REPLICATE, Axis.EFSDP, Axis.EP)
+DENSE_AXES = (Axis.DP_REPLICATE, Axis.PP, Axis.FSDP, Axis.TP)
+EXPERT_AXES = (Axis.DP_REPLICATE, Axis.PP, Axis.EFSDP, Axis.EP)
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,7 @@ class RankCoords:
 
     rank: int
     dp_replicate: int
+    pp: int
     fsdp: int
     tp: int
     efsdp: int
@@ -61,7 +72,7 @@ class RankCoords:
         return int(getattr(self, axis.value))
 
     def label(self) -> str:
-        """``rank 5 (dp_replicate=0, fsdp=2, tp=1, ep=1, efsdp=1)``: how errors name a rank."""
+        """``rank 5 (dp_replicate=0, pp=0, fsdp=2, tp=1, ep=1, efsdp=1)``: how errors name a rank."""
         axes = ", ".join(f"{axis.value}={self.on(axis)}" for axis in (*DENSE_AXES, Axis.EP, Axis.EFSDP))
         return f"rank {self.rank} ({axes})"
 
@@ -80,6 +91,7 @@ class Topology:
     def axis_size(self, axis: Axis) -> int:
         sizes = {
             Axis.DP_REPLICATE: self.config.dp_replicate_size,
+            Axis.PP: self.config.pp_size,
             Axis.FSDP: self.config.fsdp_size,
             Axis.TP: self.config.tp_size,
             Axis.EFSDP: self.config.efsdp_size,
@@ -107,8 +119,18 @@ class Topology:
         return _expert_block(self.ranks[rank].ep, self.axis_size(Axis.EP), num_experts)
 
     def batch_ranks(self) -> tuple[tuple[int, ...], ...]:
-        """Ranks that hold batch ``b`` at index ``b``: one tp group each (TOPO-1)."""
-        return self.groups(Axis.TP)
+        """Ranks that hold batch ``b`` at index ``b``: one tp group per pipeline stage (TOPO-1)."""
+        return tuple(tuple(r.rank for r in self.ranks if r.batch == b) for b in range(self.config.dp_size))
+
+    def answer_ranks(self) -> tuple[int, ...]:
+        """The rank that answers for batch ``b`` at index ``b``: the first tp rank of the last pipeline stage."""
+        last = self.axis_size(Axis.PP) - 1
+        return tuple(next(r for r in ranks if self.ranks[r].pp == last) for ranks in self.batch_ranks())
+
+    def answers(self, rank: int) -> bool:
+        """True for the rank that returns its batch rows' results (:meth:`answer_ranks`)."""
+        coords = self.ranks[rank]
+        return coords.tp == 0 and coords.pp == self.axis_size(Axis.PP) - 1
 
     def describe(self, num_experts: int | None = None, ep_sizes: tuple[int, ...] | None = None) -> str:
         """The rank picture of SPEC TOPO-3.
@@ -126,25 +148,23 @@ def build_topology(config: DistributedConfig, world_size: int | None = None) -> 
         if world_size is None:
             raise ValueError("build_topology: tp_size is deferred (tp_plan='auto'); pass the world_size to infer it")
         config = config.resolve(world_size)
-    if config.pp_size != 1:
-        raise NotImplementedError(
-            f"pp_size={config.pp_size}: pipeline parallelism is not implemented in raymoe yet; use pp_size=1"
-        )
     replicas, fsdp, tp = (config.dp_replicate_size, config.fsdp_size, config.tp_size)
-    ep = config.ep_size
-    assert replicas is not None and fsdp is not None and tp is not None and ep is not None  # resolved
+    ep, pp = config.ep_size, config.pp_size
+    assert replicas is not None and fsdp is not None and tp is not None and ep is not None and pp is not None
     ranks = []
     for rank in range(config.world_size):
-        replica, in_replica = divmod(rank, fsdp * tp)
+        block, in_stage = divmod(rank, fsdp * tp)
+        replica, stage = divmod(block, pp)
         ranks.append(
             RankCoords(
                 rank=rank,
                 dp_replicate=replica,
-                fsdp=in_replica // tp,
-                tp=in_replica % tp,
-                efsdp=in_replica // ep,
-                ep=in_replica % ep,
-                batch=replica * fsdp + in_replica // tp,
+                pp=stage,
+                fsdp=in_stage // tp,
+                tp=in_stage % tp,
+                efsdp=in_stage // ep,
+                ep=in_stage % ep,
+                batch=replica * fsdp + in_stage // tp,
             )
         )
     return Topology(config=config, ranks=tuple(ranks))
@@ -191,6 +211,8 @@ class _Picture:
         lines = [self._row("rank", [f"{r.rank:>2}" for r in self.topo.ranks])]
         if self.topo.axis_size(Axis.DP_REPLICATE) > 1:
             lines.append(self._row("replica", [f"{r.dp_replicate:>2}" for r in self.topo.ranks]))
+        if self.topo.axis_size(Axis.PP) > 1:
+            lines.append(self._row("stage", [f"{r.pp:>2}" for r in self.topo.ranks]))
         lines.append(self._batch_row())
         if self.tp > 1:
             lines.append(self._row("tp", [f"{r.tp:>2}" for r in self.topo.ranks]))
@@ -208,8 +230,8 @@ class _Picture:
     def _batch_row(self) -> str:
         width = self.tp * self.cell + 1
         text = "batch".ljust(self.LABEL_WIDTH)
-        for batch, _ in enumerate(self.topo.batch_ranks()):
-            name = f"B{batch}"
+        for ranks in self.topo.groups(Axis.TP):  # in rank order; every pipeline stage holds each batch
+            name = f"B{self.topo.ranks[ranks[0]].batch}"
             inner = width - 5
             box = f"[{name.center(inner, '=')}]" if inner >= len(name) + 2 else name
             text += box.ljust(width)

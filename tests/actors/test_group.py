@@ -111,7 +111,7 @@ def test_exception_on_one_rank_names_it_and_tears_everything_down(ray_session):
     assert error.rank == 2 and error.function == "fail_on_rank_two"
     message = str(error)
     assert message.startswith(
-        "rank 2 (dp_replicate=0, fsdp=1, tp=0, ep=0, efsdp=1) failed in fail_on_rank_two: "
+        "rank 2 (dp_replicate=0, pp=0, fsdp=1, tp=0, ep=0, efsdp=1) failed in fail_on_rank_two: "
         "ValueError: bad shard on purpose"
     )
     assert (
@@ -139,7 +139,9 @@ def test_killed_rank_is_reported_within_seconds(ray_session):
         ray_session.kill(victim, no_restart=True)
 
     threading.Timer(2.0, kill).start()
-    with pytest.raises(RankError, match=r"rank 1 \(dp_replicate=1, fsdp=0.*failed in sleep_then_barrier: ActorDied"):
+    with pytest.raises(
+        RankError, match=r"rank 1 \(dp_replicate=1, pp=0, fsdp=0.*failed in sleep_then_barrier: ActorDied"
+    ):
         group.execute(sleep_then_barrier, 120)
     detected_after = time.monotonic() - killed_at[0]
     print(f"killed rank reported {detected_after:.2f} s after ray.kill")  # shown with -s

@@ -32,16 +32,25 @@ MOVES = {
     "fsdp4_ep4_to_tp4_ep4_masked": ({"fsdp_size": 4, "ep_size": 4}, {"tp_size": 4, "ep_size": 4, "tp_plan": {}}),
     "hsdp_to_fsdp": ({"dp_replicate_size": 2, "fsdp_size": 2}, {"fsdp_size": 2}),
     "tp2_fsdp2_to_tp4": ({"tp_size": 2, "fsdp_size": 2}, {"tp_size": 4}),
+    # pipelines (issue 19): every stage saves its own parameters; another pp size reads them all
+    "pp2_tp2_to_fsdp2": ({"pp_size": 2, "tp_size": 2}, {"fsdp_size": 2}),
+    "fsdp2_ep2_to_pp2_fsdp2": ({"fsdp_size": 2, "ep_size": 2}, {"pp_size": 2, "fsdp_size": 2}),
 }
 
 
 def _full_weights(ctx) -> dict[str, torch.Tensor]:
+    """This rank's parameters (of every pipeline stage it runs), whole."""
     from torch.distributed.tensor import DTensor
 
     return {
         name: (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone()
-        for name, p in ctx.require_model().model.named_parameters()
+        for name, p in ctx.require_model().named_parameters()
     }
+
+
+def _merged(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The whole model's weights from every rank's (a pipeline spreads them over its stages)."""
+    return {name: weight for weights in per_rank for name, weight in weights.items()}
 
 
 def _train(model, data, steps: range) -> list[float]:
@@ -90,7 +99,8 @@ def test_resume_under_another_layout_equals_the_straight_run(
         restored = model.load_state(state)
         assert restored.step == 3 and model.step == 3 and restored.extra == {"rows_seen": 24}
         resumed = _train(model, data, range(3, STEPS))
-        final = model.run_on_ranks(_full_weights)[0]
+        final = _merged(model.run_on_ranks(_full_weights))
+    assert set(final) == set(weights)
     assert resumed == pytest.approx(losses[3:], rel=TOL), (resumed, losses[3:])
     for name, expected in weights.items():
         assert (final[name] - expected).abs().max().item() <= WEIGHT_TOL, name
@@ -113,7 +123,8 @@ def test_resume_on_the_same_layout_is_bit_exact(load_on_world, tiny_checkpoint, 
     with load_on_world(directory, layout) as model:
         model.load_state(tmp_path / "state")
         resumed = _train(model, data, range(3, STEPS))
-        final = model.run_on_ranks(_full_weights)[0]
+        final = _merged(model.run_on_ranks(_full_weights))
+    assert set(final) == set(weights)
     assert resumed == losses[3:]
     assert all(torch.equal(final[name], expected) for name, expected in weights.items())
 
@@ -132,7 +143,8 @@ def test_gpt_oss_resumes_with_biases_sinks_and_async_save(straight_run, load_on_
     with load_on_world(tiny_checkpoint(GPT_OSS), {"fsdp_size": 2, "ep_size": 2}) as model:
         model.load_state(state)
         resumed = _train(model, data, range(3, STEPS))
-        final = model.run_on_ranks(_full_weights)[0]
+        final = _merged(model.run_on_ranks(_full_weights))
+    assert set(final) == set(weights)
     assert resumed == pytest.approx(losses[3:], rel=TOL)
     for name, expected in weights.items():
         assert (final[name] - expected).abs().max().item() <= WEIGHT_TOL, name

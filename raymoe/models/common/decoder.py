@@ -58,8 +58,23 @@ class DecoderLayer(nn.Module):
         return out_BSH
 
 
+class SkippedLayer(nn.Module):
+    """Stands in for a decoder layer a model part does not run (:meth:`CausalLM.keep_part`): no parameters,
+    its input passes through, and the other layers keep their indices (and so their parameter names)."""
+
+    def forward(self, x_BSH: Tensor, *args: object) -> Tensor:
+        return x_BSH
+
+
 class DecoderModel(nn.Module):
-    """``input_ids [B, S]`` -> final hidden states ``[B, S, H]`` (the hub's ``model.`` prefix)."""
+    """``input_ids [B, S]`` -> final hidden states ``[B, S, H]`` (the hub's ``model.`` prefix).
+
+    A part of the model (:meth:`CausalLM.keep_part`) may lack the embedding (it then takes hidden states
+    ``[B, S, H]`` in place of token ids) and the final norm (it returns its last layer's output).
+    """
+
+    embed_tokens: nn.Embedding | None
+    norm: RMSNorm | None
 
     def __init__(self, config: ModelConfig, layers: list[DecoderLayer]) -> None:
         super().__init__()
@@ -76,6 +91,7 @@ class DecoderModel(nn.Module):
         document_ids_BS: Tensor | None = None,
     ) -> Tensor:
         """With ``cache``, the tokens continue the cached ones: positions start at ``cache.length``.
+        Without an embedding (a later part of the model) ``input_ids`` are the hidden states ``[B, S, H]``.
 
         ``attention_mask [B, S]`` (1: a real token, 0: left padding) gives each row its own positions
         (its real tokens count from 0) and hides the padding from attention, here and in later cached steps.
@@ -85,7 +101,7 @@ class DecoderModel(nn.Module):
         token sees it): ``attention_mask`` is not read.
         """
         start = cache.length if cache is not None else 0
-        x_BSH = self.embed_tokens(input_ids_BS)
+        x_BSH = self.embed_tokens(input_ids_BS) if self.embed_tokens is not None else input_ids_BS
         documents = None
         key_mask_BL: Tensor | None
         if document_ids_BS is not None:
@@ -94,31 +110,37 @@ class DecoderModel(nn.Module):
             documents = pack_documents(document_ids_BS)
             positions, key_mask_BL = documents.positions_BS, None
         else:
-            positions, key_mask_BL = _positions(input_ids_BS, cache, attention_mask_BS, start)
+            positions, key_mask_BL = _positions(x_BSH.shape[:2], x_BSH.device, cache, attention_mask_BS, start)
         cos_SD, sin_SD = rope_cos_sin(self.config.rope, self.config.rope_dim, positions, x_BSH.dtype)
         for i, layer in enumerate(self.layers):
             layer_cache = cache.layers[i] if cache is not None else None
             x_BSH = layer(x_BSH, cos_SD, sin_SD, layer_cache, start, key_mask_BL, documents)
         if cache is not None:
-            cache.advance(input_ids_BS.shape[1])
+            cache.advance(x_BSH.shape[1])
+        if self.norm is None:
+            return x_BSH
         out_BSH: Tensor = self.norm(x_BSH)
         return out_BSH
 
 
 def _positions(
-    input_ids_BS: Tensor, cache: KVCache | None, attention_mask_BS: Tensor | None, start: int
+    shape_BS: torch.Size, device: torch.device, cache: KVCache | None, attention_mask_BS: Tensor | None, start: int
 ) -> tuple[Tensor, Tensor | None]:
     """``(positions, key_mask)``: ``[S]`` and None when every token is real; else per row ``[B, S]``
     (real tokens before + running count - 1) and the real-token mask of every attended position ``[B, L]``."""
-    device = input_ids_BS.device
+    rows, width = shape_BS
     if attention_mask_BS is None and (cache is None or cache.key_mask is None):
-        return torch.arange(start, start + input_ids_BS.shape[1], device=device), None
-    mask_BS = attention_mask_BS.bool() if attention_mask_BS is not None else torch.ones_like(input_ids_BS).bool()
+        return torch.arange(start, start + width, device=device), None
+    mask_BS = (
+        attention_mask_BS.bool()
+        if attention_mask_BS is not None
+        else torch.ones((rows, width), dtype=torch.bool, device=device)
+    )
     if cache is None:
-        before_B, key_mask_BL = torch.zeros(input_ids_BS.shape[0], dtype=torch.int64, device=device), mask_BS
+        before_B, key_mask_BL = torch.zeros(rows, dtype=torch.int64, device=device), mask_BS
     else:
         real = cache.real_tokens()
-        before_B = real if real is not None else torch.full((input_ids_BS.shape[0],), start, device=device)
+        before_B = real if real is not None else torch.full((rows,), start, device=device)
         key_mask_BL = cache.write_mask(mask_BS)
     positions_BS = (before_B[:, None] + mask_BS.long().cumsum(dim=1) - 1).clamp_min(0)
     return positions_BS, key_mask_BL
@@ -129,6 +151,7 @@ class CausalLM(nn.Module, ABC):
 
     base_model_prefix: ClassVar[str] = "model"
     model_type: ClassVar[str]
+    lm_head: nn.Linear | None
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -167,11 +190,34 @@ class CausalLM(nn.Module, ABC):
         """``logits [B, S, V]``; with ``positions_B``, only row ``b``'s position ``positions_B[b]``: ``[B, V]``
         (the head never sees the other positions). One call through the root module, as FSDP2 requires.
         ``document_ids [B, S]``: packed rows, each document attending only to itself (:mod:`.packing`)."""
-        hidden_BSH = self.model(input_ids_BS, cache, attention_mask_BS, document_ids_BS)
+        hidden_BSH: Tensor = self.model(input_ids_BS, cache, attention_mask_BS, document_ids_BS)
+        if self.lm_head is None:  # a part of the model before the head: its hidden states go on to the next part
+            return hidden_BSH
         if positions_B is not None:
             hidden_BSH = hidden_BSH[torch.arange(hidden_BSH.shape[0], device=hidden_BSH.device), positions_B]
         logits: Tensor = self.lm_head(hidden_BSH)
         return logits
+
+    def new_cache(self, max_length: int) -> KVCache:
+        """An empty KV cache for up to ``max_length`` tokens per row, one slot per decoder layer."""
+        return KVCache(len(self.model.layers), max_length)
+
+    def keep_part(self, layers: range, embedding: bool, head: bool) -> None:
+        """Drop everything but decoder ``layers`` (and the embedding / the final norm and head when asked), in
+        place: the part one pipeline stage runs. Kept parameters keep their names (``model.layers.5...``); the
+        part takes hidden states ``[B, S, H]`` when it has no embedding and returns them when it has no head."""
+        for index in range(len(self.model.layers)):
+            if index not in layers:
+                self.model.layers[index] = SkippedLayer()
+        if not embedding:
+            self.model.embed_tokens = None
+        if not head:
+            self.model.norm = None
+            self.lm_head = None
+
+    def kept_layers(self) -> list[int]:
+        """Indices of the decoder layers this model (or part of it) runs."""
+        return [i for i, layer in enumerate(self.model.layers) if not isinstance(layer, SkippedLayer)]
 
     @property
     def num_experts(self) -> int | None:
@@ -188,7 +234,7 @@ class CausalLM(nn.Module, ABC):
 
     def tie_weights(self) -> None:
         """With ``tie_word_embeddings`` the head and the embedding share one parameter (re-done after loading)."""
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def hub_layout(self, available: Collection[str] | None = None) -> HubLayout:

@@ -20,13 +20,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from raymoe.models.common.config import ModelConfig
 from raymoe.models.common.decoder import CausalLM
-from raymoe.models.common.kv_cache import KVCache
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,14 @@ def _nucleus(scores_BV: Tensor, top_p: float) -> Tensor:
     return scores_BV.masked_fill(drop_BV, float("-inf"))
 
 
+class Decoder(Protocol):
+    """What a generation steps: a :class:`CausalLM`, or its stages spread over a pipeline (``raymoe.rank.pipeline``)."""
+
+    def new_cache(self, max_length: int) -> Any: ...
+
+    def __call__(self, input_BS: Tensor, cache: Any, mask_BS: Tensor | None, last_B: Tensor) -> Tensor: ...
+
+
 class Generation:
     """One batch of prompts decoding on one model, one token per row per :meth:`step`.
 
@@ -107,7 +115,7 @@ class Generation:
 
     def __init__(
         self,
-        model: CausalLM,
+        model: Decoder | CausalLM,
         input_ids_BS: Tensor,
         max_new_tokens: int,
         *,
@@ -123,7 +131,7 @@ class Generation:
         self.stop = stop or StopRules()
         self.max_new_tokens = max_new_tokens
         batch, prompt_len = input_ids_BS.shape
-        self.cache = KVCache(len(model.model.layers), prompt_len + max_new_tokens)
+        self.cache = model.new_cache(prompt_len + max_new_tokens)
         self.device = input_ids_BS.device
         self.row_ids = list(row_ids) if row_ids is not None else list(range(batch))
         self.finished_B = torch.zeros(batch, dtype=torch.bool, device=self.device)
