@@ -104,8 +104,8 @@ def balanced_starts(costs: list[int], stages: int) -> tuple[int, ...]:
     possible, then the groups as even as possible (least sum of squares); ties give the later stages less."""
     n = len(costs)
     prefix = [0]
-    for cost in costs:
-        prefix.append(prefix[-1] + cost)
+    for layer_cost in costs:
+        prefix.append(prefix[-1] + layer_cost)
 
     def cost(j: int, i: int) -> int:
         return prefix[i] - prefix[j]
