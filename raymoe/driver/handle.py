@@ -587,8 +587,8 @@ class DistributedModel:
 
     def run_on_ranks(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """``fn(ctx, *args, **kwargs)`` on every rank, results in rank order: for inspecting or extending
-        what the ranks hold (``ctx.require_model().model`` is this rank's shard of the model). ``fn``
-        travels by pickle; a rank's exception ends the group like any rank failure."""
+        what the ranks hold (``ctx.require_model().model`` is this rank's shard of the model; under pipelines
+        ``.parts``, its stages). ``fn`` travels by pickle; a rank's exception ends the group like any rank failure."""
         return self._ranks().execute(fn, *args, **kwargs)
 
     # --- life cycle -------------------------------------------------------------------------------

@@ -120,7 +120,7 @@ def test_handle_surface_and_lifecycle(ray_session, tiny_checkpoint):
     ("config", "error", "match"),
     [
         ({"tp_size": 2, "ep_size": 3}, ValueError, r"ep_size=3 must be a multiple of tp_size=2 \[CFG-3\]"),
-        ({"tp_size": 2, "pp_size": 2}, NotImplementedError, r"pp_size=2: pipeline parallelism is not implemented"),
+        ({"pp_size": 4}, ValueError, r"4 pipeline stages, but the model has num_hidden_layers=3: every stage needs"),
         ({"fsdp_size": 4, "ep_size": 4}, ValueError, r"ep_size=4 must divide the model's num_experts=5 \[CFG-3\]"),
         ({"tp_size": 2, "tp_plan": {"lm_heda": "colwise"}}, ValueError, r"'lm_heda'; did you mean 'lm_head'"),
     ],

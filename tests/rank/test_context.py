@@ -30,5 +30,5 @@ def test_every_sub_mesh_group_carries_the_world_timeout(load_on_world, tiny_chec
         seen = model.run_on_ranks(timeouts)
     assert len(seen) == 4
     for rank_timeouts in seen:
-        assert set(rank_timeouts) == {"world", "checkpoint", "dp_replicate", "fsdp", "tp", "efsdp", "ep"}
+        assert set(rank_timeouts) == {"world", "checkpoint", "dp_replicate", "pp", "fsdp", "tp", "efsdp", "ep"}
         assert set(rank_timeouts.values()) == {SESSION_TIMEOUT_S}, rank_timeouts

@@ -19,6 +19,7 @@ LAYOUTS = {
     "pp4-1f1b": {"pp_size": 4},
     "pp4-interleaved": {"pp_size": 4, "pp_schedule": "interleaved_1f1b"},
     "pp2-tp2-ep2-masked": {"pp_size": 2, "tp_size": 2, "ep_size": 2, "ep_plan": MASKED},
+    "hsdp2-pp2": {"dp_replicate_size": 2, "pp_size": 2},  # replicas of a two-stage pipeline
 }
 DENSE_LAYOUTS = ["pp2", "pp2-tp2", "pp4-interleaved", "pp2-fsdp2"]
 
