@@ -21,7 +21,7 @@ LAYOUTS = {
     "pp2-tp2-ep2-masked": {"pp_size": 2, "tp_size": 2, "ep_size": 2, "ep_plan": MASKED},
     "hsdp2-pp2": {"dp_replicate_size": 2, "pp_size": 2},  # replicas of a two-stage pipeline
 }
-DENSE_LAYOUTS = ["pp2", "pp2-tp2", "pp4-interleaved", "pp2-fsdp2"]
+DENSE_LAYOUTS = ["pp2", "pp2-fsdp2", "pp2-tp2", "pp4-1f1b", "pp4-interleaved"]
 
 
 def _moe_config(transformers):
