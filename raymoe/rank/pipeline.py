@@ -23,8 +23,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.distributed.tensor import DTensor
 
 from raymoe.models.common.decoder import CausalLM
@@ -68,9 +66,13 @@ def stage_plan(loaded: LoadedModel) -> StagePlan:
 def _runtime(ctx: RankContext, loaded: LoadedModel, shape: tuple[int, int, bool]) -> PipelineRuntime:
     if loaded.pipeline is not None and loaded.pipeline.shape == shape:
         return loaded.pipeline
+    # Imported here, not at the top: torch.distributed.pipelining imports torch._dynamo (0.3 s, about 30 MiB), which
+    # the driver (it imports this module through raymoe.api) never needs otherwise.
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
     plan = stage_plan(loaded)
     group = pipeline_group(ctx)
-    stages: list[_PipelineStageBase] = [
+    stages: list[Any] = [
         PipelineStage(part, stage, plan.num_stages, ctx.device, group=group)
         for part, stage in zip(loaded.parts, loaded.stage_ids, strict=True)
     ]

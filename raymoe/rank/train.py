@@ -60,6 +60,16 @@ class MicroBatch:
         logits: Tensor = model(self.input_ids.to(device), document_ids_BS=documents)
         return logits
 
+    def loss_sum(self, model: nn.Module, device: torch.device) -> Tensor:
+        """The summed token loss of these rows (a float32 scalar), with the graph to back-propagate it.
+
+        No reference to the logits ``[b, S, V]`` outlives this call: the loss's graph keeps only their
+        log-softmax, so the logits are freed before backward instead of sitting beside its ``[b, S, V]``
+        gradients (one vocabulary-wide tensor less at the step's peak; transformers' output keeps them).
+        """
+        loss: Tensor = whole(causal_lm_loss(self.forward(model, device), self.labels.to(device), reduction="sum"))
+        return loss
+
 
 @dataclass(frozen=True)
 class StepResult:
@@ -130,8 +140,7 @@ def train_step(
         if isinstance(model, FSDPModule):
             model.set_requires_gradient_sync(index == len(micro_batches) - 1)
         with vocab_parallel_loss(model):
-            logits = micro.forward(model, ctx.device)
-            micro_loss = whole(causal_lm_loss(logits, micro.labels.to(ctx.device), reduction="sum"))
+            micro_loss = micro.loss_sum(model, ctx.device)
             # FSDP2 sums the gradients over data-parallel ranks (raymoe.parallel.fsdp), giving one process's gradient.
             objective = micro_loss / global_tokens
             trains_aux = balance.aux_loss_coef > 0

@@ -58,11 +58,13 @@ def test_adamw_step_matches_transformers(tiny_name, tiny_checkpoint, load_hf_mod
         rel = ((param.grad - want).norm() / want.norm().clamp_min(1e-12)).item()
         assert rel <= STEP_RTOL, f"{name}: gradient relative difference {rel:.2e}"
 
-    # AdamW's first step is about lr * g / (|g| + eps) per element, so with torch's eps=1e-8 a gradient element
-    # near 1e-9 (there are such in the key biases) turns rounding noise into a visible step; eps=1e-6 keeps
-    # the step a smooth function of the gradient, and the comparison meaningful.
+    # AdamW's first step is about lr * g / (|g| + eps) per element, so an element with |g| below eps moves by
+    # lr / eps times its gradient's rounding noise (~1e-9 in fp32 here). With torch's eps=1e-8 the key biases'
+    # near-zero gradients make that a visible step; even eps=1e-6 let one q_proj element of GLM-4.5 (|g| < 1e-6)
+    # move the weight 1.3e-5 (relative) apart on some CPUs, while its gradient agreed within 3e-7. eps=1e-4
+    # keeps the step a smooth function of the gradient (noise x 100), and the comparison about the layout.
     for model in (ours, reference):
-        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6).step()
+        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4).step()
     for name, param in trained:
         expected = in_raymoe_layout(model_type, name, reference_params[name].detach())
         assert not torch.equal(param, before[name]), f"{name} did not move"

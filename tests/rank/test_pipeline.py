@@ -4,6 +4,8 @@ the saved checkpoint gathers every stage, loads in transformers and gives the ha
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -133,3 +135,14 @@ def test_bad_pipeline_steps_fail_on_the_driver_and_change_nothing(load_on_world,
         metrics = model.train_step(_ids(8))
         assert model.step == 1 and metrics["num_tokens"] == 8 * 9
         assert "expert_load" not in metrics  # no routing is recorded under pipelines (said in the docs)
+
+
+def test_importing_raymoe_leaves_out_the_pipeline_runtime():
+    """``torch.distributed.pipelining`` pulls in torch._dynamo (about 30 MiB, 0.3 s): only a rank running a pipeline
+    imports it, so a driver's ``import raymoe`` does not."""
+    modules = ("torch.distributed.pipelining", "torch._dynamo")
+    script = f"import sys, raymoe; print([m for m in {modules!r} if m in sys.modules])"
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=Path(__file__).parents[2]
+    )
+    assert result.stdout.strip() == "[]", result.stdout
