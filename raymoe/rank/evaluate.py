@@ -34,8 +34,7 @@ def eval_loss(ctx: RankContext, micro_batches: list[MicroBatch]) -> float:
     loss_sum = torch.zeros((), dtype=torch.float32)
     for micro in micro_batches:
         with vocab_parallel_loss(model):
-            logits = micro.forward(model, ctx.device)
-            loss_sum += whole(causal_lm_loss(logits, micro.labels.to(ctx.device), reduction="sum")).float().cpu()
+            loss_sum += micro.loss_sum(model, ctx.device).float().cpu()
     # FSDP units keep their gathered weights after a no-grad forward; a later train step must not use them.
     reshard(model)
     return float(loss_sum)
