@@ -6,6 +6,9 @@ global batches. Columns, all measured in this one invocation so their ratios sha
     one process               transformers (grouped_mm experts), raymoe.load_model: no process group
     transformers + torchrun   transformers' DistributedConfig, one process per rank (gloo on CPU, NCCL on GPU)
     raymoe on Ray             raymoe.from_pretrained, one Ray actor per rank, driver round trip every step
+    1/N of the batch          raymoe.load_model in one process with one thread on 1/N of the batch: what each
+                              rank of a world of N computes, without communication. Its global tokens/s is
+                              the ceiling of that world on this machine (a rank gets one thread).
 
 tokens/s is global tokens per second of wall time per optimizer step (median over the timed steps, after
 ``--warmup``); each distributed row is the best of ``--rounds`` rounds, the two systems alternating. Peak
@@ -17,8 +20,12 @@ activation-checkpointing rows train raymoe's fsdp layout at world 2 under ``none
 longer batch (``--ac-batch`` x ``--ac-seq``), where activations outweigh the process's baseline; their
 ratio is to ``ac=none``. Results go to ``--out`` as JSON and markdown.
 
-    .venv/bin/pip install -c constraints.txt -e '.[test,bench]'   # transformers' distributed path needs accelerate
-    .venv/bin/python benchmarks/bench_layouts.py [--shapes few-large] [--worlds 2] [--layouts fsdp2 tp2-ep2]
+    python3.11 -m venv .venv-bench && .venv-bench/bin/pip install -c constraints.txt -e '.[bench]'
+    .venv-bench/bin/python benchmarks/bench_layouts.py [--shapes few-large] [--worlds 2] [--layouts fsdp2 tp2-ep2]
+
+The bench extra is transformers and accelerate (its distributed path needs it), not the test extra: that one
+installs ``datasets`` and with it pyarrow, which every Ray worker imports when pyarrow is importable (Ray
+registers serializers for it), about 24 MiB more RSS per rank that a plain raymoe install does not have.
 
 Not run by the test suite.
 """
@@ -142,6 +149,13 @@ def raymoe_one_process(directory: Path, shape: Shape, args: argparse.Namespace) 
     return run_script(command, "raymoe one process", threads=ONE_PROCESS_THREADS)
 
 
+def rank_share(directory: Path, shape: Shape, world: int, args: argparse.Namespace) -> Measured:
+    """One process, one thread, ``1/world`` of the batch: what each rank of a world computes, with no communication."""
+    share = replace(shape, batch=shape.batch // world)
+    command = [sys.executable, str(RAYMOE_ONE_PROCESS_SCRIPT), str(directory), *shape_argv(share, args)]
+    return run_script(command, f"raymoe 1/{world} of the batch", threads=1)
+
+
 def raymoe_on_ray(directory: Path, layout: dict[str, Any], shape: Shape, args: argparse.Namespace) -> Measured:
     import raymoe
 
@@ -197,6 +211,9 @@ def run_matrix(args: argparse.Namespace) -> list[Row]:
             }
             for system, run in one_process.items():
                 measure(rows, (shape_name, "one process", system), 1, run, shape, args)
+            for world in args.worlds:  # the ceiling of a world: its ranks' compute alone, as global tokens/s
+                share = partial(rank_share, directory, shape, world, args)
+                measure(rows, (shape_name, share_row(world), "raymoe"), world, share, shape, args)
             for name in args.layouts:
                 if world_of(LAYOUTS[name]) in args.worlds:
                     measure_layout(rows, directory, shape_name, name, args)
@@ -232,6 +249,10 @@ def measure_checkpointing(
         run = partial(raymoe_on_ray, directory, layout, long_batch, args)
         for _ in range(args.rounds):
             measure(rows, (shape_name, ac_row(mode, long_batch), "raymoe on Ray"), 2, run, long_batch, args)
+
+
+def share_row(world: int) -> str:
+    return f"1/{world} of the batch, 1 thread"
 
 
 def ac_row(mode: str, shape: Shape) -> str:

@@ -253,7 +253,7 @@ def _assign(loaded: LoadedModel, fresh: dict[str, Any]) -> None:
     for name, param in loaded.named_parameters():
         if param.requires_grad:
             optimizer.state[param] = {
-                "step": fresh[optimizer_key(name, "step")],
+                "step": fresh[optimizer_key(name, "step")].to(_local(param).device),  # fused AdamW: on the device
                 **{moment: fresh[optimizer_key(name, moment)] for moment in MOMENTS},
             }
 
