@@ -35,7 +35,10 @@ def main() -> None:
     ).train()
     if device is not None and not distributed:
         model.to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # fused, as transformers' Trainer defaults to with torch >= 2.8; one fused (or multi-tensor) group cannot mix
+    # DTensors with plain tensors (tensor parallelism without FSDP leaves the norms plain): there torch's default
+    fused = len({type(param) for param in model.parameters()}) == 1
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused or None)
     dp_size = sizes.get("fsdp_size", 1) * sizes.get("dp_replicate_size", 1)
     dp_rank = rank // sizes.get("tp_size", 1)
     gen = torch.Generator().manual_seed(1)

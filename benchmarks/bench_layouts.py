@@ -1,14 +1,19 @@
 """Training throughput and peak memory per rank over a matrix of shapes, world sizes and layouts (issue 18).
 
 Every row of one shape trains the same CPU-sized Qwen3-MoE checkpoint (``_model_shape.SHAPES``) on the same
-global batches. Columns, all measured in this one invocation so their ratios share the machine's state:
+global batches with AdamW: torch's fused kernel, which raymoe's ranks use and transformers' Trainer defaults
+to with torch >= 2.8, except in transformers' tensor-parallel rows without FSDP, whose one parameter group
+mixes DTensors with plain tensors (the norms), which the fused step refuses: there torch's default step runs
+(``_torchrun_transformers.py``). Columns, all measured in this one invocation so their ratios share the
+machine's state:
 
     one process               transformers (grouped_mm experts), raymoe.load_model: no process group
     transformers + torchrun   transformers' DistributedConfig, one process per rank (gloo on CPU, NCCL on GPU)
     raymoe on Ray             raymoe.from_pretrained, one Ray actor per rank, driver round trip every step
     1/N of the batch          raymoe.load_model in one process with one thread on 1/N of the batch: what each
                               rank of a world of N computes, without communication. Its global tokens/s is
-                              the ceiling of that world on this machine (a rank gets one thread).
+                              the ceiling of that world where every rank has a core of its own (a rank gets
+                              one thread); a world larger than the machine's cores shares them.
 
 tokens/s is global tokens per second of wall time per optimizer step (median over the timed steps, after
 ``--warmup``); each distributed row is the best of ``--rounds`` rounds, the two systems alternating. Peak
@@ -136,7 +141,7 @@ def transformers_run(directory: Path, layout: dict[str, int], shape: Shape, args
     launcher = (
         [sys.executable]
         if world == 1
-        else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world)]
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
     )
     command = [*launcher, str(TRANSFORMERS_SCRIPT), str(directory), json.dumps(layout), *shape_argv(shape, args)]
     return run_script(
@@ -189,8 +194,16 @@ def measure(
         times, peaks = run()
         row.keep(tokens_per_s(times, shape, args.warmup), peaks)
     except Exception as exc:  # a system that cannot run a layout is a row with its error, not the end of the matrix
-        row.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else ''}"
+        row.error = f"{type(exc).__name__}: {cause(str(exc))}"
         print(f"  {key}: {row.error}", flush=True)
+
+
+def cause(message: str) -> str:
+    """The line of a failed run's output that names the error (the last with "Error" that is not torchrun's
+    summary of a failed child), else its last line."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()] or [""]
+    named = [line for line in lines if "Error" in line and "ChildFailedError" not in line]
+    return (named or lines)[-1][:300]
 
 
 def run_matrix(args: argparse.Namespace) -> list[Row]:
@@ -271,7 +284,7 @@ def markdown(rows: list[Row], args: argparse.Namespace) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        if r.error:
+        if r.error and not r.tokens_per_s:
             lines.append(f"| {r.shape} | {r.world} | {r.layout} | {r.system} | failed: {r.error} | | | | |")
             continue
         torchrun = speed.get((r.shape, r.layout, "transformers+torchrun"))
@@ -292,6 +305,11 @@ def markdown(rows: list[Row], args: argparse.Namespace) -> str:
         "peak: the largest rank's peak during the timed steps (RSS on CPU: the process's baseline included); "
         "step growth: the largest rank's peak minus its memory in use when the timed steps began. "
         "ac rows: ratio to ac=none on the same batch.",
+        *[
+            f"{r.shape} {r.layout} {r.system}: a round failed ({r.error}); the row is its other rounds' best."
+            for r in rows
+            if r.error and r.tokens_per_s
+        ],
     ]
     return "\n".join(lines) + "\n"
 

@@ -349,7 +349,10 @@ class TransformersRun:
             directory, dtype=settings.dtype, experts_implementation="grouped_mm"
         )
         self.model = model.to(settings.device).train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0)
+        # fused, as transformers' Trainer defaults to with torch >= 2.8 (and as raymoe's ranks step)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, fused=True
+        )
 
     def step(self, ids_BS: Tensor) -> None:
         ids_BS = ids_BS.to(self.device)
