@@ -149,16 +149,16 @@ def transformers_run(directory: Path, layout: dict[str, int], shape: Shape, args
     )
 
 
-def raymoe_one_process(directory: Path, shape: Shape, args: argparse.Namespace) -> Measured:
+def raymoe_one_process(
+    directory: Path, shape: Shape, args: argparse.Namespace, threads: int = ONE_PROCESS_THREADS
+) -> Measured:
     command = [sys.executable, str(RAYMOE_ONE_PROCESS_SCRIPT), str(directory), *shape_argv(shape, args)]
-    return run_script(command, "raymoe one process", threads=ONE_PROCESS_THREADS)
+    return run_script(command, f"raymoe one process (batch {shape.batch}, {threads} threads)", threads=threads)
 
 
 def rank_share(directory: Path, shape: Shape, world: int, args: argparse.Namespace) -> Measured:
     """One process, one thread, ``1/world`` of the batch: what each rank of a world computes, with no communication."""
-    share = replace(shape, batch=shape.batch // world)
-    command = [sys.executable, str(RAYMOE_ONE_PROCESS_SCRIPT), str(directory), *shape_argv(share, args)]
-    return run_script(command, f"raymoe 1/{world} of the batch", threads=1)
+    return raymoe_one_process(directory, replace(shape, batch=shape.batch // world), args, threads=1)
 
 
 def raymoe_on_ray(directory: Path, layout: dict[str, Any], shape: Shape, args: argparse.Namespace) -> Measured:

@@ -106,7 +106,7 @@ def configure_optimizer(ctx: RankContext, config: OptimizerConfig, balance: Bala
 
 def parameter_groups(loaded: LoadedModel) -> dict[str, list[nn.Parameter]]:
     """One group per mesh (SPEC TRAIN-2): ``dense`` and ``expert`` DTensor parameters, and ``replicated``
-    plain tensors (tensor parallelism without FSDP leaves norms unsharded), since a multi-tensor
+    plain tensors (tensor parallelism without FSDP leaves norms unsharded), since a fused (or multi-tensor)
     optimizer step cannot mix DTensors and plain tensors. Experts count as dense without EP."""
     plans = loaded.spec.plans
     expert_paths = set(plans.expert_modules) if plans.ep_rules else set()
