@@ -7,9 +7,12 @@
     execute_per_rank(fn, args_of)   rank r gets args_of[r] (e.g. its slice of the batch)
     shutdown()                      kill actors, remove the placement group; idempotent
 
-Any rank's exception, or a rank actor dying, ends the call at once with one
-:class:`RankError` naming the rank, its coordinates, the function and the remote traceback;
-the group is then shut down, since the surviving ranks may be stuck in a collective.
+Any rank's exception, or a rank actor dying, ends the call with one :class:`RankError` whose first line names
+the rank(s) where the failure began (:mod:`actors.blame`): once one rank's call failed, the driver gives every
+other rank up to ``BLAME_GRACE_S`` to report its own outcome (its call's result, or, asked from its monitor
+thread, whether it is alive and where it waits; Ray answers that for a dead actor), so a survivor whose
+collective lost its peer is never blamed for the rank that died. The group is then shut down, since the
+surviving ranks may be stuck in a collective.
 
 A call that hangs is caught by the driver's own watchdog: once it has run for ``collective_timeout_s``,
 every few seconds the driver asks each rank for its progress (answered from a second thread of the
@@ -24,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -34,28 +36,50 @@ from typing import Any, NoReturn
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.blame import Fate, Outcome, assign_blame, death_cause
 from actors.cluster import track_world
 from actors.hang import Diagnosis, diagnose
 from actors.placement import Placement, PlacementRequest, check_fits, cluster_nodes, node_block, place
-from actors.rank import CONCURRENCY_GROUPS, RankActor, RankFailure
-from raymoe.rank.context import DEFAULT_COLLECTIVE_TIMEOUT_S, Backend, Rendezvous, use_layout
-from raymoe.rank.progress import RankProgress
+from actors.rank import CONCURRENCY_GROUPS, RankActor
+from raymoe.rank.context import use_layout
+from raymoe.rank.contract import DEFAULT_COLLECTIVE_TIMEOUT_S, Backend, RankFailure, RankProgress, Rendezvous
 from raymoe.spec.topology import Topology
 
 logger = logging.getLogger(__name__)
 
 PROGRESS_ANSWER_S = 5.0  # how long a rank gets to answer a progress request before it counts as frozen
-_TIMEOUT_TEXT = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
+# Once a rank's call failed, how long the others get to report their own outcome (Ray takes well under a second
+# to report a dead actor, a live rank's monitor thread answers in milliseconds): the bound on the wait, not a pause.
+BLAME_GRACE_S = 10.0
 
 
 class RankError(RuntimeError):
-    """A rank failed; ``rank``, ``function`` and ``remote_traceback`` say where and how."""
+    """A rank failed; ``rank`` (the first of ``primary``), ``function`` and ``remote_traceback`` say where and how.
 
-    def __init__(self, message: str, rank: int, function: str, remote_traceback: str) -> None:
+    ``primary``: the ranks where the failure began (died, or their own code raised); ``secondary``: the others
+    (lost their peer, still waiting, did not answer); ``cause``: the message's first line, which names the
+    primary ranks."""
+
+    def __init__(
+        self,
+        message: str,
+        rank: int,
+        function: str,
+        remote_traceback: str,
+        primary: tuple[int, ...] = (),
+        secondary: tuple[int, ...] = (),
+    ) -> None:
         super().__init__(message)
         self.rank = rank
         self.function = function
         self.remote_traceback = remote_traceback
+        self.primary = primary if primary else ((rank,) if rank >= 0 else ())
+        self.secondary = secondary
+
+    @property
+    def cause(self) -> str:
+        text = str(self).strip()
+        return text.splitlines()[0] if text else ""
 
 
 class RankHangError(RankError):
@@ -88,14 +112,16 @@ class RayRankGroup:
     """One Ray actor per rank of a world; see the module docstring for the life cycle."""
 
     def __init__(
-        self, world_size: int, placement: Placement, actors: list[Any], timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+        self, world_size: int, placement: Placement, actors: list[Any], options: GroupOptions, block: int = 1
     ) -> None:
         self._world_size = world_size
+        self._options, self._block = options, block
         self.topology: Topology | None = None  # the layout in use, for naming ranks in errors
         self._placement: Placement | None = placement
         self._actors = actors
-        self._timeout_s = timeout_s
+        self._timeout_s = options.collective_timeout_s
         self._processes: list[tuple[str, int]] = []  # (node id, pid) of each rank, to make sure they end
+        self._node_ips: list[str] = []  # each rank's node address, for messages
 
     @classmethod
     def create(cls, world_size: int, options: GroupOptions, *, block: int = 1) -> RayRankGroup:
@@ -114,7 +140,7 @@ class RayRankGroup:
             ).remote()
             for bundle in placement.bundle_of_rank
         ]
-        group = cls(world_size, placement, actors, options.collective_timeout_s)
+        group = cls(world_size, placement, actors, options, block)
         track_world(group)
         try:
             group._join(options)
@@ -128,6 +154,18 @@ class RayRankGroup:
         """A world sized and placed for ``topology`` (its tp / ep groups on one node), already in that layout."""
         group = cls.create(topology.world_size, options, block=node_block(topology))
         group.use_layout(topology)
+        return group
+
+    def replacement(self) -> RayRankGroup:
+        """New rank actors for a world a failure ended: the same size, options and node blocks, placed afresh (on
+        other nodes if one is gone), in this world's layout."""
+        group = RayRankGroup.create(self._world_size, self._options, block=self._block)
+        try:
+            if self.topology is not None:
+                group.use_layout(self.topology)
+        except BaseException:
+            group.shutdown()
+            raise
         return group
 
     @property
@@ -162,7 +200,9 @@ class RayRankGroup:
             for rank in range(self._world_size)
         ]
         self._gather("setup", [actor.setup.remote(r) for actor, r in zip(self._actors, meeting, strict=True)])
-        self._processes = ray.get([actor.process_id.remote() for actor in self._actors])
+        where = ray.get([actor.process_id.remote() for actor in self._actors])
+        self._processes = [(node, pid) for node, pid, _ in where]
+        self._node_ips = [ip for _, _, ip in where]
 
     # --- fan-out ---------------------------------------------------------------------------------
 
@@ -192,7 +232,8 @@ class RayRankGroup:
         return self._placement
 
     def _gather(self, function: str, refs: list[Any], ranks: Sequence[int] | None = None) -> list[Any]:
-        """Results in order; the first failure (exception or dead actor) shuts the group down and raises."""
+        """Results in order; a failure (exception or dead actor) shuts the group down and raises, blaming the
+        rank(s) where it began."""
         ranks = list(ranks) if ranks is not None else list(range(len(refs)))
         rank_of_ref = {ref: rank for ref, rank in zip(refs, ranks, strict=True)}
         results: dict[int, Any] = {}
@@ -204,16 +245,90 @@ class RayRankGroup:
                 self._check_progress(function, started)
                 continue
             rank = rank_of_ref[ready[0]]
-            try:
-                value = ray.get(ready[0])
-            except ray.exceptions.RayError as exc:
-                self._fail(rank, function, type(exc).__name__, _first_line(exc), str(exc))
-            if isinstance(value, RankFailure):
-                if _TIMEOUT_TEXT.search(value.message):  # its collective timed out: name whom it waited for
+            value, outcome = self._outcome(rank, ready[0])
+            if outcome is not None:
+                if outcome.fate is Fate.TIMED_OUT:  # its collective timed out: name whom it waited for
+                    assert isinstance(value, RankFailure)
                     self._fail_hung(function, time.monotonic() - started, (rank, value))
-                self._fail(rank, function, value.error_type, value.message, value.traceback)
+                others = {rank_of_ref[ref]: ref for ref in pending}
+                self._fail(function, {**{r: Outcome(Fate.ANSWERED) for r in results}, rank: outcome}, others)
             results[rank] = value
         return [results[rank] for rank in ranks]
+
+    def _outcome(self, rank: int, ref: Any) -> tuple[Any, Outcome | None]:
+        """A finished call's value, and its :class:`Outcome` when it failed (None: it succeeded)."""
+        try:
+            value = ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            return None, self._outcome_of_death(rank, exc)
+        if isinstance(value, RankFailure):
+            return value, Outcome.of_failure(value, *self._whereabouts(rank))
+        return value, None
+
+    def _fail(self, function: str, outcomes: dict[int, Outcome], pending: dict[int, Any]) -> NoReturn:
+        """Collect the other ranks' outcomes (bounded by ``BLAME_GRACE_S``), blame, shut down and raise."""
+        outcomes = {**outcomes, **self._settle(pending)}
+        blame = assign_blame(function, outcomes, self.topology)
+        logger.error("%s", blame.message)
+        self.shutdown()
+        culprit = blame.primary[0] if blame.primary else min(outcomes)
+        tail = (
+            f"\n--- traceback on rank {blame.traceback_rank} ---\n{blame.traceback.rstrip()}" if blame.traceback else ""
+        )
+        raise RankError(
+            blame.message + tail,
+            rank=culprit,
+            function=function,
+            remote_traceback=blame.traceback,
+            primary=blame.primary,
+            secondary=blame.secondary,
+        )
+
+    def _settle(self, pending: dict[int, Any]) -> dict[int, Outcome]:
+        """Each pending rank's outcome: its call's, once it ends; else its monitor thread's answer (alive: where it
+        waits) or Ray's word that the actor died. Returns when every rank has one, or after ``BLAME_GRACE_S``."""
+        probes = {actor_ref: rank for rank in pending if (actor_ref := self._probe(rank)) is not None}
+        calls = {ref: rank for rank, ref in pending.items()}
+        outcomes: dict[int, Outcome] = {}
+        waiting: dict[int, Outcome] = {}
+        deadline = time.monotonic() + BLAME_GRACE_S
+        unresolved = [*calls, *probes]
+        while unresolved and len(outcomes) < len(pending):
+            ready, unresolved = ray.wait(unresolved, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
+            if not ready:
+                break
+            ref = ready[0]
+            if ref in calls:
+                _, outcome = self._outcome(calls[ref], ref)
+                outcomes[calls[ref]] = outcome if outcome is not None else Outcome(Fate.ANSWERED)
+                continue
+            rank = probes[ref]
+            try:
+                report = ray.get(ref)
+            except ray.exceptions.RayError as exc:  # the actor is gone: that is its outcome
+                outcomes[rank] = self._outcome_of_death(rank, exc)
+                continue
+            waiting[rank] = Outcome.of_progress(report)
+            if set(waiting) | set(outcomes) >= set(pending):
+                break  # every pending rank is alive and answered: nothing more will come soon
+        for rank in pending:
+            outcomes.setdefault(rank, waiting.get(rank, Outcome(Fate.SILENT)))
+        return outcomes
+
+    def _probe(self, rank: int) -> Any:
+        try:
+            return self._actors[rank].progress.remote()
+        except Exception:  # Ray refused the call: the actor handle is gone
+            return None
+
+    def _outcome_of_death(self, rank: int, exc: BaseException) -> Outcome:
+        return Outcome(Fate.DIED, death_cause(str(exc)), "", *self._whereabouts(rank))
+
+    def _whereabouts(self, rank: int) -> tuple[str, int | None]:
+        """The node address and process id of ``rank`` (unknown before the ranks joined)."""
+        if rank >= len(self._processes):
+            return "", None
+        return self._node_ips[rank], self._processes[rank][1]
 
     # --- hangs -----------------------------------------------------------------------------------
 
@@ -266,18 +381,6 @@ class RayRankGroup:
         culprit = diagnosis.culprits[0] if diagnosis.culprits else -1
         raise RankHangError(message, culprit, function, traceback, diagnosis)
 
-    def _fail(self, rank: int, function: str, error_type: str, message: str, remote_traceback: str) -> NoReturn:
-        label = self.topology.ranks[rank].label() if self.topology is not None else f"rank {rank}"
-        logger.error("%s failed in %s: %s: %s", label, function, error_type, message)
-        self.shutdown()
-        raise RankError(
-            f"{label} failed in {function}: {error_type}: {message}\n"
-            f"--- traceback on rank {rank} ---\n{remote_traceback.rstrip()}",
-            rank=rank,
-            function=function,
-            remote_traceback=remote_traceback,
-        )
-
     # --- life cycle -----------------------------------------------------------------------------
 
     @property
@@ -298,6 +401,9 @@ class RayRankGroup:
         """Kill every rank actor and free the placement group. Safe to call any number of times."""
         placement, self._placement = self._placement, None
         if placement is None:
+            return
+        if not ray.is_initialized():  # Ray already shut down (its actors with it); a call would start a new one
+            self._actors = []
             return
         for actor in self._actors:
             try:
@@ -338,8 +444,3 @@ def _is_stopped(pid: int) -> bool:
 def _first_line_of(text: str) -> str:
     text = text.strip()
     return text.splitlines()[0] if text else ""
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

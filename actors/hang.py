@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from raymoe.rank.progress import GroupProgress, RankProgress
+from raymoe.rank.contract import GroupProgress, RankProgress
 from raymoe.spec.topology import Axis, Topology
 
 MESH_PREFIX = "mesh_"

@@ -2,8 +2,10 @@
 
 The driver never calls arbitrary methods on it: it sends a function and its arguments to
 ``run``; the function receives this rank's :class:`~raymoe.rank.context.RankContext` first. A
-failure comes back as a :class:`RankFailure` value carrying the remote traceback, so the
-driver can name the rank and stop the others without waiting on their collectives.
+failure comes back as a :class:`~raymoe.rank.contract.RankFailure` value carrying the remote
+traceback, whether the rank's own code failed or a collective lost its peer
+(:mod:`raymoe.rank.failure`), and where the rank stood in its collectives, so the driver can
+name the rank that failed first and stop the others without waiting on their collectives.
 
 ``progress`` runs in a concurrency group of its own (a second thread), so it answers while ``run`` waits
 in a collective: the driver's hang diagnosis (:mod:`actors.hang`). A frozen process answers nothing.
@@ -14,29 +16,20 @@ from __future__ import annotations
 import os
 import socket
 import time
-import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import ray
 
-from raymoe.rank.context import RankContext, Rendezvous, join_world, leave_world
-from raymoe.rank.progress import CallRecord, RankProgress, progress_report
+from raymoe.rank.context import RankContext, join_world, leave_world
+from raymoe.rank.contract import RankFailure, RankProgress, Rendezvous
+from raymoe.rank.failure import rank_failure
+from raymoe.rank.progress import CallRecord, progress_report
 
 MONITOR = "monitor"  # the concurrency group of progress(): answered while run() blocks
 CONCURRENCY_GROUPS = {MONITOR: 1}
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class RankFailure:
-    """An exception raised by a rank function, as text (exceptions may not unpickle on the driver)."""
-
-    error_type: str
-    message: str
-    traceback: str
 
 
 class RankActor:
@@ -81,16 +74,15 @@ class RankActor:
         return progress_report(self._rank, self._call)
 
     @ray.method(concurrency_group=MONITOR)
-    def process_id(self) -> tuple[str, int]:
-        """This rank's node and process id (to make sure a frozen process is gone)."""
-        return ray.get_runtime_context().get_node_id(), os.getpid()
+    def process_id(self) -> tuple[str, int, str]:
+        """This rank's node id, process id (to make sure a frozen process is gone) and node address (for messages)."""
+        return ray.get_runtime_context().get_node_id(), os.getpid(), ray.util.get_node_ip_address()
 
     def teardown(self) -> None:
         leave_world()
 
-    @staticmethod
-    def _guarded(call: Callable[[], T]) -> T | RankFailure:
+    def _guarded(self, call: Callable[[], T]) -> T | RankFailure:
         try:
             return call()
         except Exception as exc:
-            return RankFailure(type(exc).__name__, str(exc), traceback.format_exc())
+            return rank_failure(exc, progress_report(self._rank, self._call))

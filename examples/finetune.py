@@ -31,7 +31,7 @@ import raymoe
 from actors import PlacementError, RankError
 from raymoe.checkpoint import resolve_config_file
 from raymoe.driver.batch import check_input_ids
-from raymoe.driver.data import load_chat_template
+from raymoe.driver.tokenizer import load_chat_template
 from raymoe.models import ModelConfig, load_model_config
 
 EXAMPLES = Path(__file__).resolve().parent

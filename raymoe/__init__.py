@@ -9,12 +9,15 @@ is the only code that imports ``ray``.
 from raymoe.api import from_pretrained, start_world
 from raymoe.checkpoint import load_model, save_model
 from raymoe.checkpoint.export import export_state
-from raymoe.driver.data import PackedData, TextTokenizer, load_dataset, load_tokenizer
+from raymoe.driver.dataset import load_dataset
 from raymoe.driver.handle import DistributedModel
+from raymoe.driver.packing import PackedData
 from raymoe.driver.tiny import build_tiny_checkpoint
+from raymoe.driver.tokenizer import TextTokenizer, load_tokenizer
 from raymoe.driver.trainer import Trainer, TrainerConfig, TrainingFailed, TrainingInterrupted, TrainSummary
 from raymoe.models.common.generation import generate
-from raymoe.parallel.styles import ExpertRole, ParallelStyle, register
+from raymoe.parallel.styles import ExpertRole, ParallelStyle, register, unregister
+from raymoe.rank.local import LocalRankGroup
 from raymoe.spec.config import DistributedConfig
 from raymoe.spec.optimizer import OptimizerConfig
 from raymoe.spec.topology import Topology, build_topology
@@ -23,6 +26,7 @@ __all__ = [
     "DistributedConfig",
     "DistributedModel",
     "ExpertRole",
+    "LocalRankGroup",
     "OptimizerConfig",
     "PackedData",
     "ParallelStyle",
@@ -44,4 +48,5 @@ __all__ = [
     "register",
     "save_model",
     "start_world",
+    "unregister",
 ]

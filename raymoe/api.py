@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from raymoe.driver.group import RankGroup
 from raymoe.driver.handle import DistributedModel
-from raymoe.rank.context import DEFAULT_COLLECTIVE_TIMEOUT_S, Backend
+from raymoe.rank.contract import DEFAULT_COLLECTIVE_TIMEOUT_S, Backend
 from raymoe.spec.config import DistributedConfig
 from raymoe.spec.launch import as_config, prepare_launch
 
@@ -31,7 +32,7 @@ def from_pretrained(
     world_size: int | None = None,
     revision: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
-    world: RayRankGroup | None = None,
+    world: RankGroup | None = None,
     use_gpu: bool | None = None,
     cpus_per_rank: float = 1.0,
     backend: Backend | None = None,
@@ -40,6 +41,9 @@ def from_pretrained(
 ) -> DistributedModel:
     """Load ``name_or_path`` (a local directory or a hub id) sharded over Ray rank actors.
 
+    A relative directory is taken from this process's working directory and sent to the ranks as an absolute
+    path (rank processes may run elsewhere: another directory, another node).
+
     Everything that can be checked without a cluster (config, plans, the checkpoint's
     config.json) is checked first; then Ray is joined (``RAY_ADDRESS``, a cluster started on
     this machine, or a new local instance), the cluster is checked for room, one actor per
@@ -47,9 +51,10 @@ def from_pretrained(
     cluster has any. ``world_size`` is only needed with ``tp_plan="auto"`` and no ``tp_size``;
     it defaults then to the cluster's GPU count (or to the world's size).
 
-    ``world`` (from :func:`start_world`) loads onto ranks that are already running instead of
-    starting new ones: the layout must have ``world.world_size`` ranks, and the handle's
-    ``shutdown`` then unloads the model and leaves the ranks for the next ``from_pretrained``.
+    ``world`` (from :func:`start_world`, or a :class:`~raymoe.rank.local.LocalRankGroup`: one rank in this
+    process, no Ray) loads onto ranks that are already running instead of starting new ones: the layout must
+    have ``world.world_size`` ranks, and the handle's ``shutdown`` then unloads the model and leaves the ranks
+    for the next ``from_pretrained``.
     The placement options (``use_gpu`` ... ``collective_timeout_s``) belong to the world then.
 
     ``collective_timeout_s`` (default 300) bounds how long any collective may wait, on every process group
@@ -82,10 +87,7 @@ def from_pretrained(
     options = _group_options(
         spec.topology.world_size, use_gpu, cpus_per_rank, backend, placement_timeout_s, collective_timeout_s
     )
-    group = RayRankGroup.for_topology(spec.topology, options)
-    return DistributedModel.launch(
-        spec, group, owns_group=True, restart=lambda: RayRankGroup.for_topology(spec.topology, options)
-    )
+    return DistributedModel.launch(spec, RayRankGroup.for_topology(spec.topology, options), owns_group=True)
 
 
 def start_world(

@@ -87,6 +87,28 @@ def load_on_world(world):
     return load
 
 
+@pytest.fixture
+def load_local():
+    """``load_local(checkpoint, config_dict, **kwargs)``: ``from_pretrained`` onto a ``LocalRankGroup`` (one rank in
+    the test's own process, no Ray: the handle's and the Trainer's logic under ``make test-fast``); the world ends
+    with the test."""
+    import raymoe
+    from raymoe import DistributedConfig
+    from raymoe.rank.local import LocalRankGroup
+
+    worlds = []
+
+    def load(checkpoint, config=None, **kwargs):
+        if not worlds or not worlds[-1].is_alive:
+            worlds.append(LocalRankGroup())
+        layout = DistributedConfig(**(config or {}))
+        return raymoe.from_pretrained(checkpoint, distributed_config=layout, world=worlds[-1], **kwargs)
+
+    yield load
+    for started in worlds:
+        started.shutdown()
+
+
 # --- multi-rank CPU process groups (gloo) for torch.distributed tests --------------------------
 
 

@@ -109,3 +109,30 @@ def test_importing_raymoe_imports_neither_ray_nor_transformers():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             names += [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
             assert not any(name.split(".")[0] == "transformers" for name in names), path
+
+
+DRIVER = sorted((ROOT / "raymoe" / "driver").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", DRIVER, ids=lambda p: p.name)
+def test_the_driver_takes_from_the_rank_room_only_the_contract_and_rank_functions(path):
+    """A driver module imports the messages of ``rank/contract.py`` and the ``fn(ctx, ...)`` functions it sends,
+    never a rank module's internals (its classes, helpers, constants)."""
+    import importlib
+    import inspect
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith("raymoe.rank"):
+            continue
+        if node.module == "raymoe.rank.contract":
+            continue
+        module = importlib.import_module(node.module)
+        for alias in node.names:
+            value = getattr(module, alias.name)
+            params = list(inspect.signature(value).parameters) if inspect.isfunction(value) else []
+            assert params[:1] == ["ctx"], f"{path.name} imports {node.module}.{alias.name}: not a rank function"
+
+
+def test_the_largest_driver_module_is_under_400_lines():
+    sizes = {path.name: len(path.read_text().splitlines()) for path in DRIVER}
+    assert max(sizes.values()) < 400, sorted(sizes.items(), key=lambda item: -item[1])[:3]

@@ -1,11 +1,7 @@
-"""The global batch on the driver: checked, labelled and split by data-parallel coordinate (SPEC TOPO-1).
+"""The global batch on the driver: checked, labelled, and a batch's rows cut into micro-batches (SPEC TOPO-1).
 
-``input_ids [B, S]`` is the global batch. Batch row blocks go to data-parallel coordinates
-in order; every rank of a tp group gets the same block::
-
-    B = 8, dp_size = 4, tp = 2     rows 0-1 -> ranks 0,1   rows 2-3 -> ranks 2,3   ...
-
-Uneven splits are allowed (``torch.tensor_split``), empty ones are not.
+``input_ids [B, S]`` is the global batch; its rows go to the data-parallel batches in blocks
+(:mod:`raymoe.driver.fanout`), and each batch's rows into micro-batches for gradient accumulation.
 
 Packed rows carry ``document_ids [B, S]``: a run of equal ids along a row is one document, which
 attends only to itself and whose positions restart at 0 (:func:`raymoe.models.common.decoder.document_layout`).
@@ -22,8 +18,7 @@ import torch
 from torch import Tensor
 
 from raymoe.models.common.loss import IGNORE_INDEX, count_label_tokens
-from raymoe.rank.train import MicroBatch
-from raymoe.spec.topology import Topology
+from raymoe.rank.contract import MicroBatch
 
 
 @dataclass(frozen=True)
@@ -134,18 +129,6 @@ def check_right_padded(mask: Tensor) -> None:
             "attention_mask has padding before real tokens (left padding); training and evaluation pass no padding "
             "mask to attention, so pad on the right"
         )
-
-
-def split_by_rank(batch: Tensor, topology: Topology) -> list[Tensor]:
-    """Rank r's rows of the global ``batch``: the block of its data-parallel coordinate (TOPO-1)."""
-    dp_size = topology.config.dp_size
-    if batch.shape[0] < dp_size:
-        raise ValueError(
-            f"the global batch has {batch.shape[0]} rows but the layout has dp_size={dp_size} data-parallel ranks "
-            "(dp_replicate_size * fsdp_size); give at least one row per data-parallel rank"
-        )
-    blocks = torch.tensor_split(batch, dp_size)
-    return [blocks[coords.batch] for coords in topology.ranks]
 
 
 def split_micro_batches(

@@ -7,8 +7,13 @@ It outlives the models loaded on it: ``use_layout`` regroups the same ranks for 
     execute(fn, *args)              fn(ctx, *args) on every rank; results in rank order
     execute_per_rank(fn, args_of)   rank r runs fn(ctx, *args_of[r]) (e.g. its rows of the batch)
     use_layout(topology)            every rank builds (or reuses) that layout's meshes
+    replacement()                   a new group like this one (same size and placement rules, same layout),
+                                    for ranks a failure ended
+    shutdown()                      end the ranks; idempotent
 
-Any rank's failure raises one driver-side error naming the rank and ends the group.
+Any rank's failure raises one driver-side error naming the rank(s) where it began and ends the group.
+Implementations: ``actors.group.RayRankGroup`` (one Ray actor per rank) and
+:class:`raymoe.rank.local.LocalRankGroup` (one rank in the calling process, no Ray).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class RankGroup(Protocol):
     def execute_per_rank(
         self, fn: Callable[..., Any], args_of_rank: Sequence[tuple[Any, ...]], kwargs: dict[str, Any] | None = None
     ) -> list[Any]: ...
+
+    def replacement(self) -> RankGroup: ...
 
     def shutdown(self) -> None: ...
 

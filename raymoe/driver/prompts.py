@@ -5,9 +5,9 @@ of token-id lists of different lengths, which are left-padded here::
 
     [[5, 6, 7], [8, 9]]  ->  input_ids [[5, 6, 7], [p, 8, 9]]   attention_mask [[1, 1, 1], [0, 1, 1]]
 
-Rows go to data-parallel batches in blocks (TOPO-1), like a training batch, but any number of rows
-works: with fewer rows than batches, an idle batch decodes a copy of row 0 (its ranks must join the
-collectives of every step) and its answer is dropped::
+Rows go to data-parallel batches in blocks (:func:`raymoe.driver.fanout.split_rows`), like a training
+batch, but any number of rows works: with fewer rows than batches, an idle batch decodes a copy of row 0
+(its ranks must join the collectives of every step) and its answer is dropped::
 
     B = 1, dp_size = 2        batch 0: row 0        batch 1: row 0 again (idle, dropped)
 """
@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 from raymoe.driver.batch import check_binary_mask, check_input_ids, check_like
-from raymoe.spec.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -121,34 +120,6 @@ def _token_lists(prompts: object, vocab_size: int) -> list[list[int]]:
             raise ValueError(f"prompt {i} has {bad[:5]}: token ids must be ints in [0, {vocab_size})")
         rows.append(list(row))
     return rows
-
-
-@dataclass(frozen=True)
-class RowSplit:
-    """The global rows each data-parallel batch decodes (``rows[d]``, indices), and which batches are idle."""
-
-    rows: tuple[Tensor, ...]
-    idle: tuple[bool, ...]
-
-    def for_ranks(self, tensor: Tensor | None, topology: Topology) -> list[Tensor | None]:
-        """Rank r's rows of ``tensor`` (the block of its data-parallel coordinate); None stays None."""
-        return [None if tensor is None else tensor[self.rows[coords.batch]] for coords in topology.ranks]
-
-    def row_ids(self, topology: Topology) -> list[Tensor]:
-        return [self.rows[coords.batch] for coords in topology.ranks]
-
-    def gather(self, answers: Sequence[Tensor]) -> Tensor:
-        """The answers of the batches (in batch order) as one tensor of the global rows, idle ones dropped."""
-        return torch.cat([answer for answer, idle in zip(answers, self.idle, strict=True) if not idle])
-
-
-def split_rows(num_rows: int, dp_size: int) -> RowSplit:
-    """Blocks of row indices per data-parallel batch (uneven allowed); a batch without rows borrows row 0."""
-    blocks = torch.tensor_split(torch.arange(num_rows), dp_size)
-    idle = tuple(block.numel() == 0 for block in blocks)
-    return RowSplit(
-        tuple(torch.zeros(1, dtype=torch.int64) if empty else b for b, empty in zip(blocks, idle, strict=True)), idle
-    )
 
 
 def as_output(tokens: Tensor, batch: PromptBatch, lengths: Tensor) -> Tensor | list[list[int]]:

@@ -2,7 +2,7 @@
 
 Built with raymoe's own model code and written in the hub layout (``config.json``,
 ``model.safetensors``, ``tokenizer.json``), so ``raymoe.from_pretrained`` loads it like any hub
-checkpoint. Its tokenizer is byte-level (:meth:`raymoe.driver.data.TextTokenizer.byte_level`): ids
+checkpoint. Its tokenizer is byte-level (:meth:`raymoe.driver.tokenizer.TextTokenizer.byte_level`): ids
 0-255 are UTF-8 bytes, 256 is ``<|endoftext|>``, 257 ``<|pad|>``, 258 / 259 the chat turn markers
 ``<|im_start|>`` / ``<|im_end|>``; the vocabulary is padded to 264 so that every tp_size up to 8 splits
 it evenly. Its ``tokenizer_config.json`` carries a ChatML chat template (:data:`TINY_CHAT_TEMPLATE`)::
@@ -25,7 +25,7 @@ import torch
 
 from raymoe.checkpoint.model_io import save_model
 from raymoe.driver.chat import ChatTemplate
-from raymoe.driver.data import END_OF_TEXT, PAD, TextTokenizer
+from raymoe.driver.tokenizer import END_OF_TEXT, PAD, TextTokenizer
 from raymoe.models.registry import build_model, parse_model_config
 
 TINY_MOE_CONFIG: dict[str, Any] = {

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.generation import Generation
+from raymoe.rank.contract import DEFAULT_COLLECTIVE_TIMEOUT_S, Backend, Rendezvous
 from raymoe.rank.progress import FLIGHT_RECORDER_ENTRIES
 from raymoe.spec.balance import BalanceConfig
 from raymoe.spec.launch import LaunchSpec
@@ -33,27 +34,8 @@ from raymoe.spec.optimizer import OptimizerConfig
 from raymoe.spec.topology import DENSE_AXES, EXPERT_AXES, Axis, RankCoords, Topology
 
 if TYPE_CHECKING:
-    from raymoe.rank.pipeline import PipelineRuntime
+    from raymoe.rank.runner import StageRunner
     from raymoe.rank.state import PendingSave
-
-Backend = Literal["nccl", "gloo"]
-
-# A collective that waits longer than this ends the call (SPEC RAY-2): long enough for a slow step or shard read,
-# short enough that a hung rank is named within minutes (actors/group.py watches for it on the driver).
-DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    """Everything a rank needs to join the world; built on the driver, sent to each actor."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    master_addr: str
-    master_port: int
-    backend: Backend | None = None
-    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -79,27 +61,29 @@ class Training:
 class LoadedModel:
     """The model this rank holds a shard of, the launch spec it was loaded from, and its training state.
 
-    ``parts`` is the whole model (one part), or under pipeline parallelism the parts of the stages this
-    rank runs (``spec.stages.stages_of(pp)``, in order; several with an interleaved schedule).
+    ``runner`` holds the parts: the whole model (one part), or under pipeline parallelism the parts of the
+    stages this rank runs (``spec.stages.stages_of(pp)``, in order; several with an interleaved schedule).
     """
 
-    parts: tuple[CausalLM, ...]
+    runner: StageRunner
     spec: LaunchSpec
     training: Training | None = None
     generation: Generation | None = None  # a stream in progress (raymoe.rank.infer)
     pending_save: PendingSave | None = None  # an asynchronous save_state still writing (raymoe.rank.state)
-    stage_ids: tuple[int, ...] = (0,)  # the pipeline stage of each part
-    pipeline: PipelineRuntime | None = None  # the schedules built for these stages (raymoe.rank.pipeline)
+
+    @property
+    def parts(self) -> tuple[CausalLM, ...]:
+        return self.runner.parts
+
+    @property
+    def stage_ids(self) -> tuple[int, ...]:
+        """The pipeline stage of each part."""
+        return self.runner.stage_ids
 
     @property
     def model(self) -> CausalLM:
         """The whole model; an error under pipeline parallelism, where a rank holds only its stages' ``parts``."""
-        if self.spec.stages is not None:
-            raise RuntimeError(
-                f"this rank holds pipeline stages {self.stage_ids} (pp_size={self.spec.topology.config.pp_size}), "
-                "not the whole model: use LoadedModel.parts"
-            )
-        return self.parts[0]
+        return self.runner.whole_model()
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """Every parameter this rank holds a shard of, by its name in the whole model."""

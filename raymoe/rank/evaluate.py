@@ -13,39 +13,22 @@ from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.loss import causal_lm_loss
 from raymoe.parallel.fsdp import reshard
 from raymoe.parallel.vocab_parallel import vocab_parallel_loss, whole
-from raymoe.rank.context import LoadedModel, RankContext
-from raymoe.rank.pipeline import forward_through_stages
-from raymoe.rank.train import MicroBatch
+from raymoe.rank.context import RankContext
+from raymoe.rank.contract import MicroBatch
 
 
 @torch.no_grad()
 def eval_loss(ctx: RankContext, micro_batches: list[MicroBatch]) -> float:
-    """Sum of the token losses over this rank's micro-batches (``input_ids``, ``labels`` ``[b, S]``, and
-    ``document_ids`` for packed rows).
+    """Sum of the token losses over this rank's micro-batches (``input_ids``, ``labels`` ``[B, S]``, and
+    ``document_ids`` for packed rows); 0 on ranks that hold no last pipeline stage.
 
     Every rank runs every micro-batch (the forward's collectives need all of them); rows whose
     labels are all ignored add 0.
     """
     loaded = ctx.require_model()
-    if loaded.spec.stages is not None:
-        return _pipeline_eval_loss(ctx, loaded, micro_batches)
-    model = loaded.model
-    model.eval()
-    loss_sum = torch.zeros((), dtype=torch.float32)
-    for micro in micro_batches:
-        with vocab_parallel_loss(model):
-            loss_sum += micro.loss_sum(model, ctx.device).float().cpu()
-    # FSDP units keep their gathered weights after a no-grad forward; a later train step must not use them.
-    reshard(model)
-    return float(loss_sum)
-
-
-def _pipeline_eval_loss(ctx: RankContext, loaded: LoadedModel, micro_batches: list[MicroBatch]) -> float:
-    """The same sum under pipeline parallelism: the stages run in turn; the last stage's ranks take the loss."""
-    loss_sum = torch.zeros((), dtype=torch.float32)
-    last = loaded.parts[-1]
     for part in loaded.parts:
         part.eval()
+    loss_sum = torch.zeros((), dtype=torch.float32)
     for micro in micro_batches:
         documents = micro.document_ids.to(ctx.device) if micro.document_ids is not None else None
 
@@ -53,11 +36,11 @@ def _pipeline_eval_loss(ctx: RankContext, loaded: LoadedModel, micro_batches: li
             out: Tensor = part(inputs, document_ids_BS=documents)
             return out
 
-        with vocab_parallel_loss(last):
-            logits = forward_through_stages(ctx, loaded, micro.input_ids, run)
+        with vocab_parallel_loss(loaded.parts[-1]):
+            logits = loaded.runner.forward(ctx, micro.input_ids, run)
             if logits is not None:
-                loss = causal_lm_loss(logits, micro.labels.to(ctx.device), reduction="sum")
-                loss_sum += whole(loss).float().cpu()
+                loss_sum += whole(causal_lm_loss(logits, micro.labels.to(ctx.device), reduction="sum")).float().cpu()
+    # FSDP units keep their gathered weights after a no-grad forward; a later train step must not use them.
     for part in loaded.parts:
         reshard(part)
     return float(loss_sum)

@@ -9,27 +9,16 @@ finished keeps stepping (writing pad ids) until the request's last step. A strea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from raymoe.models.common.decoder import CausalLM
-from raymoe.models.common.generation import Decoder, Generation, SamplingConfig, StopRules
+from raymoe.models.common.generation import Generation
 from raymoe.parallel.fsdp import reshard
 from raymoe.rank.context import RankContext
-from raymoe.rank.pipeline import StagedDecoder, forward_through_stages
+from raymoe.rank.contract import DecodeRequest
 from raymoe.spec.topology import Axis
-
-
-@dataclass(frozen=True)
-class DecodeRequest:
-    """What every rank needs to decode its rows, checked on the driver."""
-
-    max_new_tokens: int
-    sampling: SamplingConfig
-    stop: StopRules
 
 
 @torch.no_grad()
@@ -53,10 +42,7 @@ def forward_logits(
         out: Tensor = part(inputs, None, mask, last_B, documents)
         return out
 
-    if loaded.spec.stages is not None:
-        logits = forward_through_stages(ctx, loaded, input_ids_BS, run)
-    else:
-        logits = run(loaded.model, input_ids_BS.to(ctx.device))
+    logits = loaded.runner.forward(ctx, input_ids_BS, run)
     for part in loaded.parts:
         reshard(part)
     if logits is None:
@@ -126,9 +112,8 @@ def _start(
     loaded = ctx.require_model()
     for part in loaded.parts:
         part.eval()
-    model: Decoder | CausalLM = StagedDecoder(ctx, loaded) if loaded.spec.stages is not None else loaded.model
     return Generation(
-        model,
+        loaded.runner.decoder(ctx),
         input_ids_BS.to(ctx.device),
         request.max_new_tokens,
         attention_mask_BS=attention_mask_BS.to(ctx.device) if attention_mask_BS is not None else None,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -30,19 +29,13 @@ from raymoe.parallel.pipeline import paths_held, rules_held
 from raymoe.parallel.sharding import Block, read_local_shard
 from raymoe.parallel.styles import ParallelStyle
 from raymoe.rank.context import LoadedModel, RankContext
+from raymoe.rank.contract import LoadReport
+from raymoe.rank.pipeline import PipelineStages
+from raymoe.rank.runner import StageRunner, WholeModel
 from raymoe.spec.config import DistributedConfig
 from raymoe.spec.launch import LaunchSpec
 from raymoe.spec.plans import ResolvedPlans
 from raymoe.spec.topology import Axis
-
-
-@dataclass(frozen=True)
-class LoadReport:
-    """What one rank read: bytes requested from the checkpoint, and the bytes of its local parameters."""
-
-    rank: int
-    bytes_read: int
-    bytes_held: int
 
 
 def load_shards(ctx: RankContext, spec: LaunchSpec) -> LoadReport:
@@ -54,19 +47,30 @@ def load_shards(ctx: RankContext, spec: LaunchSpec) -> LoadReport:
     ctx.loaded = None  # a model loaded earlier on this world is dropped before the new one takes memory
     ctx.use_layout(spec.topology)
     model = spec.build_meta_model()
-    stage_ids = spec.stages.stages_of(ctx.coords.pp) if spec.stages is not None else (0,)
+    runner, pieces = _on_meta(spec, ctx, model)
     with open_checkpoint(spec.source, model, revision=spec.revision, cache_dir=spec.cache_dir) as reader:
         reader.check({name: param.shape for name, param in model.named_parameters()}, model_name=type(model).__name__)
         dtype = spec.torch_dtype or reader.dtype("model.embed_tokens.weight")
-        parts = (model,) if spec.stages is None else tuple(spec.build_meta_part(stage) for stage in stage_ids)
         bytes_read = 0
-        for part in parts:
+        for part, plans in pieces:
             part.to(dtype)
-            shard_on_meta(part, spec, ctx, part_plans(spec.plans, part) if spec.stages is not None else spec.plans)
+            shard_on_meta(part, spec, ctx, plans)
             part.to_empty(device=ctx.device)
             bytes_read += _read_shards(part, reader)
-    ctx.loaded = LoadedModel(parts, spec, stage_ids=stage_ids)
-    return LoadReport(ctx.rank, bytes_read, sum(_bytes_held(part) for part in parts))
+    ctx.loaded = LoadedModel(runner, spec)
+    return LoadReport(ctx.rank, bytes_read, sum(_bytes_held(part) for part in runner.parts))
+
+
+def _on_meta(
+    spec: LaunchSpec, ctx: RankContext, model: CausalLM
+) -> tuple[StageRunner, list[tuple[CausalLM, ResolvedPlans]]]:
+    """The runner this rank gets (the one place the pipeline / no-pipeline choice is made) and each part it will
+    hold, on meta, with the plan rules that part holds."""
+    if spec.stages is None:
+        return WholeModel(model), [(model, spec.plans)]
+    stage_ids = spec.stages.stages_of(ctx.coords.pp)
+    parts = tuple(spec.build_meta_part(stage) for stage in stage_ids)
+    return PipelineStages(parts, stage_ids, spec.stages), [(part, part_plans(spec.plans, part)) for part in parts]
 
 
 def part_plans(plans: ResolvedPlans, part: CausalLM) -> ResolvedPlans:

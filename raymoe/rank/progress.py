@@ -16,39 +16,11 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from raymoe.rank.contract import GroupProgress, RankProgress
 
 FLIGHT_RECORDER_ENTRIES = "2000"  # TORCH_FR_BUFFER_SIZE: recent collectives kept per process
-
-
-@dataclass(frozen=True)
-class GroupProgress:
-    """One process group on one rank: ``name`` (the same on every member), ``desc`` (``mesh_tp``, ``default_pg``,
-    ...), collectives entered and finished, and the last one entered (``op``, e.g. ``all_reduce``)."""
-
-    name: str
-    desc: str
-    entered: int
-    finished: int
-    op: str = ""
-    waiting_s: float = 0.0  # how long the last entered collective has been in flight (0 when finished)
-
-    @property
-    def waiting(self) -> bool:
-        return self.entered > self.finished
-
-
-@dataclass(frozen=True)
-class RankProgress:
-    """A rank's answer: its rank, the rank function it runs (None between calls), for how long, and its groups."""
-
-    rank: int
-    function: str | None
-    running_s: float
-    groups: tuple[GroupProgress, ...] = field(default_factory=tuple)
-
-    def waiting_in(self) -> list[GroupProgress]:
-        return [group for group in self.groups if group.waiting]
 
 
 @dataclass

@@ -18,27 +18,12 @@ Any other exception (a failed collective, a bug) is a rank failure as before.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from raymoe.checkpoint.model_io import save_model
-from raymoe.models.common.decoder import CausalLM
-from raymoe.rank.context import LoadedModel, RankContext
-from raymoe.spec.topology import Axis
-
-
-@dataclass(frozen=True)
-class SaveResult:
-    """One rank's answer to :func:`save_gathered`: rank 0's files, or why it saved nothing (``error``, a message
-    naming the file and the cause; ``errno``, the disk's code when it gave one). Other ranks answer an empty one."""
-
-    files: tuple[str, ...] = ()
-    error: str | None = None
-    errno: int | None = None
+from raymoe.rank.context import RankContext
+from raymoe.rank.contract import SaveResult
 
 
 def save_gathered(ctx: RankContext, directory: str, max_shard_size: int) -> SaveResult:
@@ -48,11 +33,7 @@ def save_gathered(ctx: RankContext, directory: str, max_shard_size: int) -> Save
     holds a stage sends them on to rank 0, which writes the whole model as one checkpoint.
     """
     loaded = ctx.require_model()
-    if loaded.spec.stages is None:
-        model, tensors = loaded.model, _gathered(loaded.model)
-    else:
-        model = loaded.spec.build_meta_model().to(next(loaded.parts[0].parameters()).dtype)
-        tensors = _gathered_stages(ctx, loaded, model)
+    model, tensors = loaded.runner.gathered(ctx, loaded.spec)
     if ctx.rank != 0:
         _join_remaining(tensors)
         return SaveResult()
@@ -63,44 +44,6 @@ def save_gathered(ctx: RankContext, directory: str, max_shard_size: int) -> Save
         cause = str(error) if isinstance(error, OSError) else f"{type(error).__name__}: {error}"
         return SaveResult(error=cause, errno=error.errno if isinstance(error, OSError) else None)
     return SaveResult(files=tuple(str(path) for path in files))
-
-
-def _gathered(model: CausalLM) -> Iterator[tuple[str, Tensor]]:
-    for name, param in model.named_parameters():
-        yield name, (param.full_tensor() if isinstance(param, DTensor) else param.detach())
-
-
-def _gathered_stages(ctx: RankContext, loaded: LoadedModel, whole: CausalLM) -> Iterator[tuple[str, Tensor]]:
-    """Every parameter of the ``whole`` (meta) model in its order, full, on rank 0: gathered inside the stage
-    that holds it (its ranks only), then sent to rank 0 over the pp group when another stage holds it."""
-    mine = dict(loaded.named_parameters())
-    group = ctx.mesh(Axis.PP).get_group()
-    zero_group = ctx.topology.group_of(0, Axis.PP)  # rank 0 and the ranks at its place in the other stages
-    plan = loaded.spec.stages
-    assert plan is not None
-    owners = {name: plan.rank_of(stage) for stage in range(plan.num_stages) for name in _part_names(loaded, stage)}
-    for name, meta in whole.named_parameters():
-        owner = owners[name]
-        full: Tensor | None = None
-        if name in mine:
-            param = mine[name]
-            full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
-        if ctx.rank not in zero_group or owner == 0:
-            if ctx.rank == 0:
-                assert full is not None
-                yield name, full
-            continue
-        if ctx.rank == 0:
-            received = torch.empty(meta.shape, dtype=meta.dtype, device=ctx.device)
-            dist.recv(received, group=group, group_src=owner)
-            yield name, received
-        elif ctx.coords.pp == owner:
-            assert full is not None
-            dist.send(full.contiguous(), group=group, group_dst=0)
-
-
-def _part_names(loaded: LoadedModel, stage: int) -> list[str]:
-    return [name for name, _ in loaded.spec.build_meta_part(stage).named_parameters()]
 
 
 def _join_remaining(tensors: Iterator[tuple[str, Tensor]]) -> None:

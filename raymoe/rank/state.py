@@ -40,30 +40,10 @@ from raymoe.checkpoint.training_state import MANIFEST_FILE, MOMENTS, model_entri
 from raymoe.models.common.decoder import CausalLM
 from raymoe.parallel.state_planner import BoxLoadPlanner, BoxSavePlanner
 from raymoe.rank.context import LoadedModel, RankContext
+from raymoe.rank.contract import StateAnswer, StateRequest
 from raymoe.rank.train import configure_optimizer
 from raymoe.spec.balance import BalanceConfig
 from raymoe.spec.optimizer import OptimizerConfig
-
-
-@dataclass(frozen=True)
-class StateRequest:
-    """Where a save writes (``staging``, beside ``target``) and the manifest rank 0 adds (JSON-ready)."""
-
-    staging: str
-    target: str
-    manifest: dict[str, Any]
-    async_save: bool = False
-
-
-@dataclass(frozen=True)
-class StateAnswer:
-    """One rank's answer to a save, wait or load: ``error`` (naming file and cause) or None, ``errno`` where the disk
-    gave one, seconds from the call (or the asynchronous save's start) to the answer, and bytes this rank wrote."""
-
-    error: str | None = None
-    errno: int | None = None
-    seconds: float = 0.0
-    bytes_written: int = 0
 
 
 @dataclass

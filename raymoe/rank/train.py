@@ -17,73 +17,17 @@ together); with ``M = 1`` it is the global batch's, exactly transformers' value 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from raymoe.models.common.loss import causal_lm_loss
 from raymoe.parallel.grad_norm import clip_grads, grad_norm
-from raymoe.parallel.vocab_parallel import vocab_parallel_loss, whole
-from raymoe.rank.balance import (
-    Routing,
-    aux_loss,
-    collect_routing,
-    record_routing,
-    routers,
-    sum_over_batches,
-    update_selection_bias,
-)
+from raymoe.rank.balance import record_routing, routers, sum_over_batches, update_selection_bias
 from raymoe.rank.context import LoadedModel, RankContext, Training
-from raymoe.rank.pipeline import pipeline_group, train_pipeline_micro_batch
+from raymoe.rank.contract import MicroBatch, StepResult
 from raymoe.spec.balance import BalanceConfig
 from raymoe.spec.optimizer import OptimizerConfig
-
-
-@dataclass(frozen=True)
-class MicroBatch:
-    """One micro-batch of a rank's rows: ``input_ids`` and ``labels`` ``[b, S]`` (-100: no loss),
-    ``token_mask`` ``[b, S]`` bool, the real tokens (False: padding), which the aux loss counts, and for
-    packed rows ``document_ids`` ``[b, S]`` (each document attends only to itself; None: plain rows)."""
-
-    input_ids: Tensor
-    labels: Tensor
-    token_mask: Tensor
-    document_ids: Tensor | None = None
-
-    def forward(self, model: nn.Module, device: torch.device) -> Tensor:
-        """The model's logits of these rows on ``device`` (one call through the root module, as FSDP2 needs)."""
-        documents = self.document_ids.to(device) if self.document_ids is not None else None
-        logits: Tensor = model(self.input_ids.to(device), document_ids_BS=documents)
-        return logits
-
-    def loss_sum(self, model: nn.Module, device: torch.device) -> Tensor:
-        """The summed token loss of these rows (a float32 scalar), with the graph to back-propagate it.
-
-        No reference to the logits ``[b, S, V]`` outlives this call: the loss's graph keeps only their
-        log-softmax, so the logits are freed before backward instead of sitting beside its ``[b, S, V]``
-        gradients (one vocabulary-wide tensor less at the step's peak; transformers' output keeps them).
-        """
-        loss: Tensor = whole(causal_lm_loss(self.forward(model, device), self.labels.to(device), reduction="sum"))
-        return loss
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """One rank's share of a step: its summed token loss, the global gradient norm before clipping, and
-    (first rank of a tp group, MoE models) of its rows: pairs per expert ``[L, E]``, dropped pairs ``[L]``,
-    and each micro-batch's aux-loss statistics ``[M, 2 L E + 1]`` (chosen pairs of real tokens and summed
-    router probabilities per layer, real tokens), from which the driver reports the aux loss whether or
-    not it is trained on."""
-
-    loss_sum: float
-    grad_norm: float
-    expert_load: Tensor | None = None
-    dropped_pairs: Tensor | None = None
-    aux_stats: Tensor | None = None
 
 
 def configure_optimizer(ctx: RankContext, config: OptimizerConfig, balance: BalanceConfig | None = None) -> None:
@@ -125,43 +69,24 @@ def train_step(
     """One optimizer step over this rank's rows of the global batch, given as micro-batches.
 
     Every micro-batch's loss is divided by the token count of the whole global batch, so
-    accumulating their gradients gives the gradient of the global mean loss. FSDP2 reduces
-    gradients only after the last micro-batch.
+    accumulating their gradients gives the gradient of the global mean loss (the runner's
+    :meth:`~raymoe.rank.runner.StageRunner.backward`); then clipping by the global norm, AdamW
+    and, with bias balancing, the routers' selection biases.
     """
     loaded = ctx.require_model()
-    if loaded.spec.stages is not None:
-        return _pipeline_train_step(ctx, loaded, micro_batches, global_tokens, lr)
-    model = loaded.model
     training = loaded.require_training()
-    balance = training.balance
-    model.train()
-    loss_sum = torch.zeros((), dtype=torch.float32)
-    routings: list[Routing] = []
-    for index, micro in enumerate(micro_batches):
-        if isinstance(model, FSDPModule):
-            model.set_requires_gradient_sync(index == len(micro_batches) - 1)
-        with vocab_parallel_loss(model):
-            micro_loss = micro.loss_sum(model, ctx.device)
-            # FSDP2 sums the gradients over data-parallel ranks (raymoe.parallel.fsdp), giving one process's gradient.
-            objective = micro_loss / global_tokens
-            trains_aux = balance.aux_loss_coef > 0
-            routing = collect_routing(model, micro.token_mask.reshape(-1).to(ctx.device), with_grad=trains_aux)
-            if routing is not None and trains_aux:
-                share = aux_loss(routing, ctx, per_layer=balance.aux_loss_per_layer) / len(micro_batches)
-                objective = objective + balance.aux_loss_coef * share
-            objective.backward()
-        loss_sum += micro_loss.detach().float().cpu()
-        if routing is not None:
-            routings.append(routing)
-    norm = _optimizer_step(training, lr)
+    done = loaded.runner.backward(ctx, training, micro_batches, global_tokens)
+    norm = _optimizer_step(training, lr, across=loaded.runner.norm_group(ctx), device=ctx.device)
+    routings = done.routings
     load_LE = torch.stack([r.load_LE for r in routings]).sum(dim=0).cpu() if routings else None
     dropped_L = torch.stack([r.dropped_L for r in routings]).sum(dim=0).cpu() if routings else None
     stats = torch.stack([r.aux_stats() for r in routings]).cpu() if routings else None
-    if load_LE is not None and balance.bias_update_rate is not None:
-        update_selection_bias(model, sum_over_batches(load_LE.double(), ctx), balance.bias_update_rate)
+    bias_rate = training.balance.bias_update_rate
+    if load_LE is not None and bias_rate is not None:
+        update_selection_bias(loaded.model, sum_over_batches(load_LE.double(), ctx), bias_rate)
     answers = ctx.answers_for_batch
     return StepResult(
-        loss_sum=float(loss_sum),
+        loss_sum=float(done.loss_sum) if answers else 0.0,
         grad_norm=float(norm),
         expert_load=load_LE if answers else None,
         dropped_pairs=dropped_L if answers else None,
@@ -185,19 +110,3 @@ def _optimizer_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm
-
-
-def _pipeline_train_step(
-    ctx: RankContext, loaded: LoadedModel, micro_batches: list[MicroBatch], global_tokens: int, lr: float | None
-) -> StepResult:
-    """A step under pipeline parallelism (:mod:`raymoe.rank.pipeline`): each micro-batch through the schedule, the
-    gradient norm over every stage, AdamW. Routing is not recorded (the driver refuses the aux loss and bias
-    balancing with pp_size > 1)."""
-    training = loaded.require_training()
-    loss_sum = torch.zeros((), dtype=torch.float32)
-    for micro in micro_batches:
-        loss_sum += train_pipeline_micro_batch(
-            ctx, loaded, micro.input_ids, micro.labels, micro.document_ids, global_tokens
-        )
-    norm = _optimizer_step(training, lr, across=pipeline_group(ctx), device=ctx.device)
-    return StepResult(loss_sum=float(loss_sum) if ctx.answers_for_batch else 0.0, grad_norm=float(norm))

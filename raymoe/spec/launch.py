@@ -20,7 +20,7 @@ import torch
 
 from raymoe.checkpoint.hub import resolve_config_file
 from raymoe.checkpoint.model_io import check_checkpoint
-from raymoe.models.common.config import read_config_file
+from raymoe.models.common.config import ModelConfig, read_config_file
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.registry import build_model, parse_model_config
 from raymoe.spec.config import DistributedConfig
@@ -33,19 +33,25 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    """A checked request to load ``source`` over ``topology``; plain data, sent to every rank."""
+    """A checked request to load ``source`` over ``topology``; plain data, sent to every rank.
+
+    ``source`` is a hub id or the *absolute* path of a checkpoint directory (made so on the driver: a rank process
+    may run in another working directory, on another node). ``config`` is the parsed ``config.json``, parsed
+    once here; ``model_config`` the file's raw dict, as training states record it.
+    """
 
     source: str
     revision: str | None
     cache_dir: str | None
     model_config: dict[str, Any]
+    config: ModelConfig
     dtype: str | None
     topology: Topology
     plans: ResolvedPlans
     stages: StagePlan | None = None  # pipeline stages (pp_size > 1)
 
     def build_meta_model(self) -> CausalLM:
-        return build_model(parse_model_config(self.model_config), device="meta")
+        return build_model(self.config, device="meta")
 
     def build_meta_part(self, stage: int) -> CausalLM:
         """The part of the meta model that pipeline ``stage`` runs (:meth:`CausalLM.keep_part`)."""
@@ -96,16 +102,21 @@ def prepare_launch(
     topology = build_topology(config, world_size)
     config_file = resolve_config_file(name_or_path, revision=revision, cache_dir=cache_dir)
     raw = read_config_file(config_file.parent)
-    model = build_model(parse_model_config(raw), device="meta")
-    if Path(name_or_path).expanduser().is_dir():  # a hub id's weights are fetched by each rank, on its node
-        check_checkpoint(Path(name_or_path).expanduser(), model)
+    model_config = parse_model_config(raw)
+    model = build_model(model_config, device="meta")
+    source = str(name_or_path)
+    local = Path(name_or_path).expanduser()
+    if local.is_dir():  # a hub id's weights are fetched by each rank, on its node
+        check_checkpoint(local, model)
+        source = str(local.absolute())
     plans = resolve_plans(model, model.default_plans(), topology.config, num_experts=model.num_experts)
     stages = plan_stages(model, topology.config)
     return LaunchSpec(
-        source=str(name_or_path),
+        source=source,
         revision=revision,
-        cache_dir=str(cache_dir) if cache_dir is not None else None,
+        cache_dir=str(Path(cache_dir).expanduser().absolute()) if cache_dir is not None else None,
         model_config=raw,
+        config=model_config,
         dtype=dtype_of_weights,
         topology=topology,
         plans=plans,

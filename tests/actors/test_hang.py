@@ -19,7 +19,7 @@ from ray import cloudpickle
 from actors import GroupOptions, RankHangError, RayRankGroup
 from actors.hang import diagnose
 from raymoe import DistributedConfig, build_topology
-from raymoe.rank.progress import GroupProgress, RankProgress
+from raymoe.rank.contract import GroupProgress, RankProgress
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -109,7 +109,7 @@ def test_a_frozen_rank_is_named_within_40_s_and_nothing_is_left(ray_session, tin
     )
     model.configure_training(lr=1e-3)
     pids = model.run_on_ranks(freeze_rank_one_at_next_forward)
-    group = model._group
+    group = model._lease.group()
     actors = {actor._actor_id.hex() for actor in group._actors}
     placement = group._placement.group.id.hex()
     began = time.monotonic()

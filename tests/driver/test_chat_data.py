@@ -18,8 +18,9 @@ import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from raymoe.driver.chat import ChatTemplate
-from raymoe.driver.data import TextTokenizer, load_dataset, load_tokenizer
+from raymoe.driver.dataset import load_dataset
 from raymoe.driver.tiny import build_tiny_checkpoint, tiny_tokenizer
+from raymoe.driver.tokenizer import TextTokenizer, load_tokenizer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 QWEN_REGEX = (  # Qwen2's pre-tokenizer split, as in its tokenizer.json and transformers' Qwen2Tokenizer
@@ -414,7 +415,7 @@ def test_parquet_and_datasets_sources(tmp_path):
 
 
 def test_a_given_template_is_saved_with_the_tokenizer_and_read_back(tmp_path):
-    from raymoe.driver.data import load_chat_template
+    from raymoe.driver.tokenizer import load_chat_template
 
     tokenizer = load_tokenizer(build_tiny_checkpoint(tmp_path / "model"))
     file = tmp_path / "other.jinja"

@@ -104,7 +104,7 @@ def test_handle_surface_and_lifecycle(ray_session, tiny_checkpoint):
         model.train_step(torch.zeros(2, 3, dtype=torch.long), micro_batches=0)
     with pytest.raises(ValueError, match="no label tokens"):
         model.train_step(torch.zeros(2, 3, dtype=torch.long), labels=torch.full((2, 3), -100))
-    assert model._finalizer.atexit  # the actors are also freed when the driver exits
+    assert model._lease.releases_at_exit  # the actors are also freed when the driver exits
     model.shutdown()
     model.shutdown()
     assert "shut down" in repr(model)

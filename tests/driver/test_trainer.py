@@ -119,8 +119,8 @@ def test_bad_input_fails_before_any_step(load_on_world, tiny, tmp_path):
 def test_chat_rows_train_and_evaluate_on_their_answers_only(load_on_world, tiny, tmp_path):
     """Rows with labels (assistant answers) and document ids: each step counts its rows' answer tokens, and the
     Trainer's evaluation (a short last batch filled with blank rows) is the handle's over the same rows."""
+    from raymoe.driver.batch_order import batch_indices
     from raymoe.driver.tiny import tiny_tokenizer
-    from raymoe.driver.trainer import _batch_indices
 
     lines = []
     for i in range(24):
@@ -138,7 +138,7 @@ def test_chat_rows_train_and_evaluate_on_their_answers_only(load_on_world, tiny,
     with load_on_world(tiny, {"tp_size": 2, "fsdp_size": 2}) as model:
         trainer = Trainer(model, train, config, eval_data=held_out)
         steps = [r for r in trainer.fit().history if "loss" in r]
-        batches = _batch_indices(train.num_sequences, 4, seed=0)
+        batches = batch_indices(train.num_sequences, 4, seed=0)
         assert [r["num_tokens"] for r in steps] == [train.rows(next(batches)).num_label_tokens for _ in steps]
         assert all(r["num_tokens"] < 4 * 95 / 2 for r in steps)  # answers only: well under half the tokens
         odd = held_out.rows(slice(0, 3))  # 3 rows, 2 data-parallel ranks: the eval batch is filled up
@@ -238,12 +238,12 @@ def test_a_resumed_run_continues_the_straight_one(load_on_world, tiny, tmp_path)
     assert max_weight_diff(reference, hub_weights(moved.checkpoint)) <= WEIGHT_TOL
 
 
-def test_an_earlier_run_is_refused_unless_resumed_or_overwritten(load_on_world, tiny, tmp_path):
+def test_an_earlier_run_is_refused_unless_resumed_or_overwritten(load_local, tiny, tmp_path):
     train = ragged_rows(16, seed=6)
     config = dict(steps=2, global_batch_size=BATCH, lr=1e-3, progress=False)
-    with load_on_world(tiny, {}) as model:
+    with load_local(tiny, {}) as model:
         Trainer(model, train, TrainerConfig(output_dir=tmp_path, save_state_every=2, **config)).fit()
-    with load_on_world(tiny, {}) as model:
+    with load_local(tiny, {}) as model:
         with pytest.raises(
             ValueError,
             match=rf"output_dir {re.escape(str(tmp_path))} holds an earlier run \(a non-empty metrics.jsonl, "
@@ -267,7 +267,7 @@ def test_an_earlier_run_is_refused_unless_resumed_or_overwritten(load_on_world, 
             TrainerConfig(output_dir=tmp_path, **{field: value})
 
 
-def test_keep_last_and_async_save(load_on_world, tiny, tmp_path):
+def test_keep_last_and_async_save(load_local, tiny, tmp_path):
     """save_state_every=2 over 6 steps with keep_last=2 leaves the states of steps 4 and 6, saved synchronously or
     not; saving asynchronously changes neither the losses nor what the states hold."""
     from raymoe import export_state
@@ -287,7 +287,7 @@ def test_keep_last_and_async_save(load_on_world, tiny, tmp_path):
             save_at_end=False,
             progress=False,
         )
-        with load_on_world(tiny, {}) as model:
+        with load_local(tiny, {}) as model:
             summary = Trainer(model, train, config).fit()
         assert summary.state == out_dir / "states" / "step-00000006"
         assert sorted(p.name for p in (out_dir / "states").iterdir()) == ["step-00000004", "step-00000006"]
@@ -312,12 +312,12 @@ def test_keep_last_and_async_save(load_on_world, tiny, tmp_path):
     )
 
 
-def test_resuming_with_another_global_batch_size_fails_before_loading(load_on_world, tiny, tmp_path):
+def test_resuming_with_another_global_batch_size_fails_before_loading(load_local, tiny, tmp_path):
     train = ragged_rows(16, seed=8)
     config = dict(output_dir=tmp_path, steps=4, lr=1e-3, progress=False, save_at_end=False)
-    with load_on_world(tiny, {}) as model:
+    with load_local(tiny, {}) as model:
         Trainer(model, train, TrainerConfig(global_batch_size=BATCH, save_state_every=2, **config)).fit(num_steps=2)
-    with load_on_world(tiny, {}) as model:
+    with load_local(tiny, {}) as model:
         with pytest.raises(ValueError, match=r"global_batch_size=4 here, but the saved run had global_batch_size=8"):
             Trainer(model, train, TrainerConfig(global_batch_size=4, resume_from="latest", **config))
         with pytest.raises(ValueError, match=r"train_rows=12 here, but the saved run had train_rows=16"):
@@ -329,14 +329,14 @@ def test_resuming_with_another_global_batch_size_fails_before_loading(load_on_wo
 
 
 def test_batches_from_a_given_step_are_the_straight_runs():
-    """``_batch_indices(start=b)`` computes batch b's epoch and offset: the same rows as drawing b batches first."""
+    """``batch_indices(start=b)`` computes batch b's epoch and offset: the same rows as drawing b batches first."""
     from itertools import islice
 
-    from raymoe.driver.trainer import _batch_indices
+    from raymoe.driver.batch_order import batch_indices
 
-    straight = list(islice(_batch_indices(28, 8, seed=3), 10))  # 3 batches per epoch, the tail of 4 dropped
+    straight = list(islice(batch_indices(28, 8, seed=3), 10))  # 3 batches per epoch, the tail of 4 dropped
     for start in (0, 1, 3, 4, 7):
-        resumed = list(islice(_batch_indices(28, 8, seed=3, start=start), 10 - start))
+        resumed = list(islice(batch_indices(28, 8, seed=3, start=start), 10 - start))
         assert all(torch.equal(a, b) for a, b in zip(straight[start:], resumed, strict=True)), start
 
 

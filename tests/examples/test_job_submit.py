@@ -1,9 +1,10 @@
-"""`ray job submit -- python examples/finetune.py` against a real Ray head on 127.0.0.1 with token authentication.
+"""A real Ray head on 127.0.0.1 with token authentication, as a user's cluster: `ray job submit -- python
+examples/finetune.py` against it, and a driver in another working directory joining it with relative paths.
 
-The head runs in its own temp dir and on its own ports, so it never meets the pytest session's
-local Ray (``ray_session``). It is started with ``ray start --block`` and stopped by signalling
-that one process, which takes down the processes it started: ``ray stop`` would end every Ray
-on the machine, the session's included.
+The head runs in its own temp dir (also its working directory, like a head started elsewhere) and on its own
+ports, so it never meets the pytest session's local Ray (``ray_session``). It is started with ``ray start
+--block`` and stopped by signalling that one process, which takes down the processes it started: ``ray stop``
+would end every Ray on the machine, the session's included. One head serves the module's tests.
 """
 
 from __future__ import annotations
@@ -54,21 +55,24 @@ def ray_env(token: str) -> dict[str, str]:
 
 @contextmanager
 def ray_head(env: dict[str, str], temp_dir: Path):
-    """A head node with 8 CPUs and a dashboard on 127.0.0.1; yields the dashboard URL."""
-    dashboard = free_port()
+    """A head node with 8 CPUs and a dashboard on 127.0.0.1, started in ``temp_dir``; yields the dashboard URL and
+    the cluster's address."""
+    dashboard, gcs = free_port(), free_port()
     command = [
         BIN / "ray", "start", "--head", "--block", "--disable-usage-stats",
-        "--node-ip-address=127.0.0.1", f"--port={free_port()}", "--num-cpus=8",
+        "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=8",
         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
         f"--dashboard-agent-listen-port={free_port()}", f"--ray-client-server-port={free_port()}",
         f"--temp-dir={temp_dir}",
     ]  # fmt: skip
     log = (temp_dir.parent / "ray-start.log").open("w")
-    head = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    head = subprocess.Popen(
+        command, env=env, cwd=temp_dir.parent, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         url = f"http://127.0.0.1:{dashboard}"
         wait_for_dashboard(url, env["RAY_AUTH_TOKEN"], head)
-        yield url
+        yield url, f"127.0.0.1:{gcs}"
     finally:
         stop_head(head)
         log.close()
@@ -137,25 +141,32 @@ def wait_for_job(url: str, token: str, job_id: str) -> tuple[str, str]:
     return status, get_json(f"{url}/api/jobs/{job_id}/logs", token)["logs"]
 
 
-@pytest.mark.slow
-@pytest.mark.ray
-def test_ray_job_submit_runs_the_example_on_the_cluster(tmp_path):
-    home, out_dir = tmp_path / "home", tmp_path / "out"
-    home.mkdir()
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    """``(dashboard url, cluster address, env)`` of a head shared by this module's tests."""
+    home = tmp_path_factory.mktemp("home")
     env = ray_env(generate_token(home))
     # A short temp dir: Ray's unix sockets live under it and their paths must stay under 108 bytes.
-    with tempfile.TemporaryDirectory(prefix="rmj") as temp_dir, ray_head(env, Path(temp_dir) / "ray") as url:
-        assert get(f"{url}/api/jobs/", token=None) == 401  # token authentication is on
-        job_id = "raymoe-finetune-test"
-        ray_cli(
-            env, "job", "submit", "--address", url, "--submission-id", job_id, "--no-wait",
-            "--working-dir", str(REPO), "--",
-            "python", "examples/finetune.py", "--steps", str(STEPS), "--eval-every", "0",
-            "--tp-size", "1", "--fsdp-size", "2", "--ep-size", "2",  # two ranks: token dispatch, FSDP
-            "--output-dir", str(out_dir), "--no-progress",
-        )  # fmt: skip
-        state, logs = wait_for_job(url, env["RAY_AUTH_TOKEN"], job_id)
-        assert state == "SUCCEEDED", logs
+    with tempfile.TemporaryDirectory(prefix="rmj") as temp_dir, ray_head(env, Path(temp_dir) / "ray") as (url, address):
+        yield url, address, env
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_ray_job_submit_runs_the_example_on_the_cluster(head, tmp_path):
+    url, _, env = head
+    out_dir = tmp_path / "out"
+    assert get(f"{url}/api/jobs/", token=None) == 401  # token authentication is on
+    job_id = "raymoe-finetune-test"
+    ray_cli(
+        env, "job", "submit", "--address", url, "--submission-id", job_id, "--no-wait",
+        "--working-dir", str(REPO), "--",
+        "python", "examples/finetune.py", "--steps", str(STEPS), "--eval-every", "0",
+        "--tp-size", "1", "--fsdp-size", "2", "--ep-size", "2",  # two ranks: token dispatch, FSDP
+        "--output-dir", str(out_dir), "--no-progress",
+    )  # fmt: skip
+    state, logs = wait_for_job(url, env["RAY_AUTH_TOKEN"], job_id)
+    assert state == "SUCCEEDED", logs
 
     assert "Connected to Ray cluster" in logs  # the driver joined the cluster it was submitted to
     assert "train loss" in logs and "checkpoint" in logs
@@ -165,3 +176,24 @@ def test_ray_job_submit_runs_the_example_on_the_cluster(tmp_path):
     assert [r["step"] for r in records if "loss" in r] == list(range(1, STEPS + 1))
     assert all(r["num_tokens"] > 0 and r["tokens_per_s"] > 0 for r in records if "loss" in r)
     assert (out_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_relative_paths_work_from_any_working_directory(head, tmp_path):
+    """A driver in its own directory joins the running cluster (as a notebook does) and passes ``--model`` as a
+    path relative to it: the ranks, started by the head in another directory, read the same checkpoint."""
+    import raymoe
+
+    _, address, env = head
+    here = tmp_path / "driver"
+    raymoe.build_tiny_checkpoint(here / "runs" / "relative-ckpt")
+    command = [
+        sys.executable, str(REPO / "examples" / "generate.py"), "--model", "runs/relative-ckpt",
+        "--prompt", "ab", "--max-new-tokens", "3", "--fsdp-size", "2", "--cpus-per-rank", "1",
+    ]  # fmt: skip
+    out = subprocess.run(
+        command, cwd=here, env={**env, "RAY_ADDRESS": address}, capture_output=True, text=True, timeout=JOB_TIMEOUT_S
+    )
+    assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
+    assert "does not exist" not in out.stderr

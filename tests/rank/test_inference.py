@@ -120,7 +120,7 @@ def test_bad_input_fails_on_the_driver_before_any_rank_call(call, message, load_
     with load_on_world(tiny_checkpoint(MOE), {"fsdp_size": 2, "ep_size": 2}) as model:
         calls = []
         for method in ("execute", "execute_per_rank"):
-            monkeypatch.setattr(model._group, method, lambda *args, **kwargs: calls.append(args))
+            monkeypatch.setattr(model._lease.group(), method, lambda *args, **kwargs: calls.append(args))
         with pytest.raises(ValueError, match=message):
             call(model)
         assert calls == []

@@ -132,7 +132,7 @@ def test_the_mechanism_comes_from_the_style_types_not_their_names():
         with pytest.raises(ValueError, match=r"\[CFG-5\]"):
             DistributedConfig(tp_size=2, ep_size=2, pp_size=2, ep_plan={"model.layers.*.mlp.experts": "my_dispatch"})
     finally:
-        STYLES._styles.pop("my_dispatch")
+        STYLES.unregister("my_dispatch")
 
 
 def test_overrides_that_do_not_decide_the_mechanism_wait_for_the_model():

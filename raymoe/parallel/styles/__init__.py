@@ -9,6 +9,15 @@ The reference's DeepGEMM Mega-MoE styles need that GPU kernel (SPEC STYLE-3) and
 
 from raymoe.parallel.styles.base import ExpertRole, ParallelStyle
 from raymoe.parallel.styles.builtin import builtin_styles
-from raymoe.parallel.styles.registry import STYLES, StyleRegistry, check_style_name, register
+from raymoe.parallel.styles.registry import STYLES, StyleRegistry, check_style_name, register, unregister
 
-__all__ = ["STYLES", "ExpertRole", "ParallelStyle", "StyleRegistry", "builtin_styles", "check_style_name", "register"]
+__all__ = [
+    "STYLES",
+    "ExpertRole",
+    "ParallelStyle",
+    "StyleRegistry",
+    "builtin_styles",
+    "check_style_name",
+    "register",
+    "unregister",
+]

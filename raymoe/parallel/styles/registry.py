@@ -17,12 +17,28 @@ from raymoe.parallel.styles.builtin import builtin_styles
 
 
 class StyleRegistry(Mapping[str, ParallelStyle]):
-    """Name -> style instance. ``register`` adds one; ``check`` fails with the list of known names."""
+    """Name -> style instance. ``register`` adds one, ``unregister`` takes a user's one away (a replaced built-in
+    comes back); ``check`` fails with the list of known names. The styles it was built with are its built-ins."""
 
     def __init__(self, styles: Mapping[str, ParallelStyle] | None = None) -> None:
         self._styles: dict[str, ParallelStyle] = {}
-        for name, style in (styles or {}).items():
+        self._builtin = dict(styles or {})
+        for name, style in self._builtin.items():
             self.register(name, style)
+
+    def unregister(self, name: str) -> ParallelStyle:
+        """Remove the style registered as ``name`` and return it; a built-in replaced by ``register(...,
+        replace=True)`` is restored. A ``ValueError`` for an unknown name or a built-in never replaced."""
+        self.check(name, "unregister")
+        style = self._styles[name]
+        builtin = self._builtin.get(name)
+        if builtin is not None and style is builtin:
+            raise ValueError(f"unregister: {name!r} is a built-in style and stays registered (SPEC §4)")
+        if builtin is not None:
+            self._styles[name] = builtin
+        else:
+            del self._styles[name]
+        return style
 
     def register(self, name: str, style: ParallelStyle, *, replace: bool = False) -> None:
         if not isinstance(name, str) or not name.strip():
@@ -64,6 +80,11 @@ def check_style_name(styles: Mapping[str, ParallelStyle], name: str, where: str 
 def register(name: str, style: ParallelStyle, *, replace: bool = False) -> None:
     """Add ``style`` under ``name`` to the driver's registry, so plans resolved afterwards can name it."""
     STYLES.register(name, style, replace=replace)
+
+
+def unregister(name: str) -> ParallelStyle:
+    """Take a style added with :func:`register` off the driver's registry (a replaced built-in comes back)."""
+    return STYLES.unregister(name)
 
 
 STYLES = StyleRegistry(builtin_styles())

@@ -113,7 +113,8 @@ def check_custom_style_in_a_plan(rank):
         full(x).square().sum().backward()
         rank.expect_same_grads(model, full)
     finally:
-        STYLES._styles.pop("colwise_custom", None)
+        if "colwise_custom" in STYLES:
+            STYLES.unregister("colwise_custom")
 
 
 def test_custom_style_named_in_tp_plan(tp2):
@@ -126,7 +127,8 @@ def test_custom_style_validate_param_runs_on_the_driver():
         with pytest.raises(ValueError, match=r"'colwise_custom' cannot shard weight \(12, 8\) over tp_size=5"):
             resolve_user_plan(5)
     finally:
-        STYLES._styles.pop("colwise_custom", None)
+        if "colwise_custom" in STYLES:
+            STYLES.unregister("colwise_custom")
 
 
 def test_unregistered_custom_name_is_rejected():
@@ -173,7 +175,8 @@ def test_a_style_registered_on_the_driver_reaches_the_ranks(world, tiny_checkpoi
             applied = model.run_on_ranks(custom_style_on_rank)
             logits = model(ids)
     finally:
-        STYLES._styles.pop("colwise_custom", None)
+        if "colwise_custom" in STYLES:
+            STYLES.unregister("colwise_custom")
     # The rank processes never saw the driver's registry: the instance came with the launch spec.
     assert applied == [("ColwiseCustom", "(Shard(dim=0),)", (48, 64))] * 2
     assert (logits - expected).abs().max().item() <= 1e-5

@@ -52,7 +52,7 @@ def test_global_register_adds_to_the_global_registry():
     try:
         assert isinstance(STYLES.get("test_only_style"), Custom)
     finally:
-        STYLES._styles.pop("test_only_style")
+        STYLES.unregister("test_only_style")
 
 
 def test_the_registry_is_seeded_with_fresh_builtin_instances():
@@ -77,3 +77,19 @@ def test_base_hooks_are_no_ops():
     style.install_forward(module, mesh)
     assert module.forward == forward
     assert repr(Custom()) == "Custom()"
+
+
+def test_unregister_takes_a_users_style_away_and_brings_a_replaced_builtin_back():
+    import raymoe
+
+    registry = StyleRegistry(builtin_styles())
+    original = registry["colwise"]
+    mine = type(original)()
+    registry.register("colwise", mine, replace=True)
+    assert registry.unregister("colwise") is mine and registry["colwise"] is original
+    with pytest.raises(ValueError, match=r"unregister: 'colwise' is a built-in style and stays registered"):
+        registry.unregister("colwise")
+    with pytest.raises(ValueError, match=r"unregister: unknown style 'nope'; registered styles: "):
+        registry.unregister("nope")
+    raymoe.register("test_unregister_style", mine)
+    assert raymoe.unregister("test_unregister_style") is mine and "test_unregister_style" not in STYLES

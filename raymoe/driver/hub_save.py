@@ -1,0 +1,28 @@
+"""The handle's hub checkpoint: every rank gathers, rank 0 writes the hub layout on its node (SPEC TRAIN-3).
+
+All or nothing: the ranks stage the checkpoint beside the target and swap it in whole (:mod:`raymoe.rank.save`);
+a failure comes back as rank 0's answer and is raised here as one ``CheckpointSaveError``, the model still loaded.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from raymoe.checkpoint.staging import CheckpointSaveError
+from raymoe.driver.fanout import FanOut
+from raymoe.rank.contract import SaveResult
+from raymoe.rank.save import save_gathered
+
+
+def save_pretrained(fanout: FanOut, path: str | os.PathLike[str], max_shard_size: int) -> list[Path]:
+    """Gather the weights into a hub-layout checkpoint at ``path`` (absolute on the driver); the files written."""
+    directory = Path(path).expanduser().absolute()
+    result: SaveResult = fanout.every_rank(save_gathered, str(directory), max_shard_size)[0]
+    if result.error is not None:
+        raise CheckpointSaveError(
+            f"save_pretrained({str(directory)!r}) saved nothing: {result.error}. The model is still loaded "
+            "(weights and optimizer state): fix the cause and call save_pretrained again",
+            result.errno,
+        )
+    return [Path(file) for file in result.files]

@@ -1,0 +1,357 @@
+"""Token sequences into fixed-length rows for training: ``PackedData`` and the two ways of packing.
+
+Packing (``packing=``) makes rows of ``seq_len`` tokens; a row's tail is right-padded with
+``attention_mask == 0`` (no loss)::
+
+    "document" (default)   documents keep their ids (``document_ids``): positions restart at each one and
+                           attention stays inside it (block-diagonal causal), so a packed document trains as
+                           it would alone; its first token is no target of the previous document.
+                           Text documents (each + eos) are cut into rows back to back (a long one continues
+                           in the next row, as a new document there); conversations are never cut: each is
+                           placed whole into the fullest row it fits (best-fit decreasing), rows ordered by
+                           their first conversation
+    "plain"                the stream cut into rows, attention crossing document boundaries inside a row
+
+    doc A (5) | eos | doc B (9) | eos | doc C (3) | eos        seq_len = 8, text
+    [A A A A A e B B] [B B B B B B B e] [C C C e p p p p]     p = pad, mask 0
+
+A conversation longer than ``seq_len`` is an error naming its file and row unless ``overlong`` says
+``"truncate"`` (keep its first ``seq_len`` tokens; one with no answer token left is dropped) or ``"drop"``;
+either is counted in :attr:`PackedData.report`. (How a model attends inside packed rows is
+:mod:`raymoe.models.common.packing`.)
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from raymoe.driver.batch import document_starts
+from raymoe.driver.tokenized import TokenizedExamples
+from raymoe.models.common.loss import IGNORE_INDEX, count_label_tokens
+
+Packing = Literal["document", "plain"]
+Overlong = Literal["error", "truncate", "drop"]
+
+
+@dataclass(frozen=True)
+class DataReport:
+    """How a dataset became rows: what was read, what was cut or left out, and what the tokenization cost."""
+
+    source: str
+    kind: str
+    packing: str
+    examples: int
+    truncated: int = 0
+    dropped: int = 0
+    tokens: int = 0
+    label_tokens: int = 0
+    rows: int = 0
+    seq_len: int = 0
+    from_cache: bool = False
+    cache: Path | None = None
+    tokenize_s: float = 0.0
+
+    def summary(self) -> str:
+        kinds = {"chat": "conversations", "text": "documents"}
+        parts = [f"{self.examples} {kinds.get(self.kind, 'examples')} -> {self.rows} rows of {self.seq_len} tokens"]
+        parts.append(f"{self.packing} packing, {self.tokens / max(1, self.rows * self.seq_len):.0%} filled")
+        parts.append(f"{self.label_tokens} label tokens")
+        if self.truncated:
+            parts.append(f"{self.truncated} truncated to seq_len")
+        if self.dropped:
+            parts.append(f"{self.dropped} longer than seq_len dropped")
+        if self.cache is not None:
+            parts.append(
+                f"tokenized {'from the cache' if self.from_cache else 'and cached'} in {self.tokenize_s:.1f} s"
+            )
+        return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class PackedData:
+    """Rows of token ids ``input_ids [N, S]`` and ``attention_mask [N, S]`` (0 = right padding, no loss); for
+    chat data ``labels [N, S]`` (-100: no loss; None: every real token is a label), for document packing
+    ``document_ids [N, S]`` (a run of equal ids is one document, see the module docstring)."""
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    labels: Tensor | None = None
+    document_ids: Tensor | None = None
+    report: DataReport | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.input_ids.dim() != 2 or self.input_ids.shape != self.attention_mask.shape:
+            raise ValueError(
+                f"PackedData: input_ids {tuple(self.input_ids.shape)} and attention_mask "
+                f"{tuple(self.attention_mask.shape)} must both be [num_sequences, seq_len]"
+            )
+        for name in ("labels", "document_ids"):
+            value = getattr(self, name)
+            if value is not None and value.shape != self.input_ids.shape:
+                raise ValueError(f"PackedData: {name} {tuple(value.shape)} must be shaped like input_ids")
+
+    @classmethod
+    def from_rows(cls, input_ids: Tensor | np.ndarray | Sequence[Sequence[int]]) -> PackedData:
+        """Already-packed rows ``[N, S]`` of token ids; every position takes a loss."""
+        ids = torch.as_tensor(np.asarray(input_ids)) if not isinstance(input_ids, Tensor) else input_ids
+        if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ValueError(
+                f"pre-tokenized rows must be a 2-D integer array [N, S], got {ids.dtype} {tuple(ids.shape)}"
+            )
+        ids = ids.to(torch.int64)
+        return cls(ids, torch.ones_like(ids))
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def num_tokens(self) -> int:
+        """Positions that hold data (mask 1)."""
+        return int(self.attention_mask.sum())
+
+    @property
+    def num_label_tokens(self) -> int:
+        """Targets the loss averages over, counted as ``train_step`` counts them (``num_tokens`` of its metrics)."""
+        return count_label_tokens(self.targets())
+
+    def targets(self) -> Tensor:
+        """The labels ``train_step`` trains on: ``labels`` (or the ids), -100 on padding and document starts."""
+        targets = (self.labels if self.labels is not None else self.input_ids).masked_fill(
+            self.attention_mask == 0, IGNORE_INDEX
+        )
+        if self.document_ids is not None:
+            targets = targets.masked_fill(document_starts(self.document_ids), IGNORE_INDEX)
+        return targets
+
+    def rows(self, index: Tensor | slice) -> PackedData:
+        def pick(tensor: Tensor | None) -> Tensor | None:
+            return tensor[index] if tensor is not None else None
+
+        return PackedData(self.input_ids[index], self.attention_mask[index], pick(self.labels), pick(self.document_ids))
+
+    def with_blank_rows(self, count: int) -> PackedData:
+        """These rows and ``count`` all-padding rows after them (mask 0: they add no token)."""
+        if count <= 0:
+            return self
+        blank = torch.zeros((count, self.seq_len), dtype=torch.int64)
+
+        def extend(tensor: Tensor | None, fill: int) -> Tensor | None:
+            return None if tensor is None else torch.cat([tensor, blank.to(tensor.dtype).fill_(fill)])
+
+        return PackedData(
+            torch.cat([self.input_ids, blank]),
+            torch.cat([self.attention_mask, blank]),
+            extend(self.labels, IGNORE_INDEX),
+            extend(self.document_ids, -1),
+        )
+
+    def split(self, eval_fraction: float) -> tuple[PackedData, PackedData | None]:
+        """The last ``eval_fraction`` of the rows (at least one) held out for evaluation; None if 0."""
+        if not 0 <= eval_fraction < 1:
+            raise ValueError(f"eval_fraction={eval_fraction!r} must be in [0, 1)")
+        if eval_fraction == 0:
+            return self, None
+        num_eval = max(1, round(self.num_sequences * eval_fraction))
+        if num_eval >= self.num_sequences:
+            raise ValueError(
+                f"eval_fraction={eval_fraction} of {self.num_sequences} sequences leaves none to train on; "
+                "use more data or a smaller eval_fraction"
+            )
+        return self.rows(slice(0, -num_eval)), self.rows(slice(-num_eval, None))
+
+
+def check_seq_len(seq_len: object) -> int:
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
+        raise ValueError(f"seq_len={seq_len!r} must be an int >= 2 (a row needs an input and a next token)")
+    return seq_len
+
+
+def pack_token_stream(
+    documents: Iterable[Sequence[int]], seq_len: int, eos_token_id: int | None, pad_token_id: int = 0
+) -> PackedData:
+    """Token documents as one stream (each followed by ``eos_token_id``), cut into ``[N, seq_len]`` rows
+    (plain packing: attention crosses the documents of a row).
+
+    The last row is right-padded with ``pad_token_id`` (any valid id: padding has mask 0, takes no
+    loss and, being on the right, is attended by no real token).
+    """
+    check_seq_len(seq_len)
+    separator = [eos_token_id] if eos_token_id is not None else []
+    stream = [token for doc in documents if len(doc) for token in (*doc, *separator)]
+    if len(stream) < 2:
+        raise ValueError("the dataset is empty: its documents hold fewer than 2 tokens")
+    ids, mask, _, _ = _cut_stream(np.asarray(stream, dtype=np.int64), None, None, seq_len, pad_token_id)
+    return PackedData(ids, mask)
+
+
+def _cut_stream(
+    ids: np.ndarray, labels: np.ndarray | None, documents: np.ndarray | None, seq_len: int, pad_token_id: int
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """A token stream cut into rows of ``seq_len``, the last one right-padded (dropped if it holds one token only,
+    which has no next-token target)."""
+    total = len(ids)
+    num_rows = -(-total // seq_len)
+    size = num_rows * seq_len
+
+    def filled(values: np.ndarray, pad: int) -> Tensor:
+        out = np.full(size, pad, dtype=np.int64)
+        out[:total] = values
+        return torch.from_numpy(out).view(num_rows, seq_len)
+
+    mask = filled(np.ones(total, dtype=np.int64), 0)
+    rows = num_rows - 1 if total % seq_len == 1 else num_rows
+    return (
+        filled(ids, pad_token_id)[:rows],
+        mask[:rows],
+        filled(labels, IGNORE_INDEX)[:rows] if labels is not None else None,
+        filled(documents, -1)[:rows] if documents is not None else None,
+    )
+
+
+def pack_examples(
+    examples: TokenizedExamples,
+    seq_len: int,
+    *,
+    packing: Packing = "document",
+    overlong: Overlong = "error",
+    pad_token_id: int = 0,
+) -> PackedData:
+    """Tokenized examples as rows of ``seq_len`` (see the module docstring for ``packing`` and ``overlong``)."""
+    check_seq_len(seq_len)
+    if packing not in ("document", "plain"):
+        raise ValueError(f"packing={packing!r}: choose 'document' or 'plain'")
+    if overlong not in ("error", "truncate", "drop"):
+        raise ValueError(f"overlong={overlong!r}: choose 'error', 'truncate' or 'drop'")
+    lengths = examples.lengths
+    starts = examples.offsets[:-1]
+    truncated = dropped = 0
+    keep = np.ones(len(lengths), dtype=bool)
+    if examples.kind == "chat":
+        long = np.flatnonzero(lengths > seq_len)
+        if len(long) and overlong == "error":
+            first = int(long[0])
+            raise ValueError(
+                f"{examples.where(first)} is {int(lengths[first])} tokens long, more than seq_len={seq_len} "
+                f"({len(long)} of {len(lengths)} conversations are); raise --seq-len, or pass --overlong truncate "
+                "(keep the first seq_len tokens) or --overlong drop"
+            )
+        if overlong == "drop":
+            keep[long] = False
+            dropped = len(long)
+        elif overlong == "truncate":
+            assert examples.labels is not None
+            answered = np.array([examples.labels[starts[i] : starts[i] + seq_len].any() for i in long], dtype=bool)
+            keep[long[~answered]] = False  # nothing of the answer fits: nothing to train on
+            dropped = int((~answered).sum())
+            truncated = int(answered.sum())
+        lengths = np.minimum(lengths, seq_len)
+    starts, lengths = starts[keep], lengths[keep]
+    if len(lengths) == 0 or int(lengths.sum()) < 2:
+        raise ValueError(f"{examples.source} is empty: after dropping what exceeds seq_len={seq_len}, nothing is left")
+    # Every kept token's index in the examples' arrays, in order.
+    total = int(lengths.sum())
+    ends = np.cumsum(lengths)
+    index = np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths)
+    ids = examples.ids[index].astype(np.int64)
+    labels = np.where(examples.labels[index], ids, IGNORE_INDEX) if examples.labels is not None else None
+    documents = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+    rows: tuple[Tensor, Tensor, Tensor | None, Tensor | None]
+    if examples.kind == "chat" and packing == "document":
+        rows = _pack_whole(ids, labels, documents, lengths, seq_len, pad_token_id)
+    else:
+        rows = _cut_stream(ids, labels, documents if packing == "document" else None, seq_len, pad_token_id)
+    data = PackedData(*rows)
+    report = DataReport(
+        source=examples.source,
+        kind=examples.kind,
+        packing=packing,
+        examples=len(lengths),
+        truncated=truncated,
+        dropped=dropped,
+        tokens=data.num_tokens,
+        label_tokens=data.num_label_tokens,
+        rows=data.num_sequences,
+        seq_len=seq_len,
+        from_cache=examples.from_cache,
+        cache=examples.cache,
+        tokenize_s=examples.seconds,
+    )
+    return replace(data, report=report)
+
+
+def _pack_whole(
+    ids: np.ndarray,
+    labels: np.ndarray | None,
+    documents: np.ndarray,
+    lengths: np.ndarray,
+    seq_len: int,
+    pad_token_id: int,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """Whole examples (each ``<= seq_len``) into rows, best-fit decreasing; rows ordered by their first example."""
+    row_of, column_of, num_rows = _best_fit_decreasing(lengths, seq_len)
+    first_example = np.full(num_rows, len(lengths), dtype=np.int64)
+    np.minimum.at(first_example, row_of, np.arange(len(lengths)))
+    order = np.argsort(first_example, kind="stable")
+    rank = np.empty(num_rows, dtype=np.int64)
+    rank[order] = np.arange(num_rows)
+    ends = np.cumsum(lengths)
+    within = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - lengths, lengths)
+    target = np.repeat(rank[row_of] * seq_len + column_of, lengths) + within
+    size = num_rows * seq_len
+
+    def placed(values: np.ndarray, pad: int) -> Tensor:
+        out = np.full(size, pad, dtype=np.int64)
+        out[target] = values
+        return torch.from_numpy(out).view(num_rows, seq_len)
+
+    return (
+        placed(ids, pad_token_id),
+        placed(np.ones(len(ids), dtype=np.int64), 0),
+        placed(labels, IGNORE_INDEX) if labels is not None else None,
+        placed(documents, -1),
+    )
+
+
+def _best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(row, column, rows)``: each length placed into the row with the least room that still fits it, longest
+    first. Rows with room ``r`` are kept in a bucket per ``r`` and the distinct rooms in a sorted list, so a
+    placement costs a bisection (not a scan of the rows)."""
+    row_of = np.empty(len(lengths), dtype=np.int64)
+    column_of = np.empty(len(lengths), dtype=np.int64)
+    rooms: list[int] = []  # sorted distinct rooms with at least one row
+    rows_with: dict[int, list[int]] = {}
+    used: list[int] = []  # tokens placed in each row
+    for example in np.argsort(-lengths, kind="stable").tolist():
+        length = int(lengths[example])
+        at = bisect.bisect_left(rooms, length)
+        if at < len(rooms):
+            room = rooms[at]
+            row = rows_with[room].pop()
+            if not rows_with[room]:
+                del rows_with[room]
+                rooms.pop(at)
+        else:
+            row, room = len(used), capacity
+            used.append(0)
+        row_of[example], column_of[example] = row, used[row]
+        used[row] += length
+        left = room - length
+        if left > 0:
+            if left not in rows_with:
+                bisect.insort(rooms, left)
+                rows_with[left] = []
+            rows_with[left].append(row)
+    return row_of, column_of, len(used)

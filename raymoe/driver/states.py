@@ -1,0 +1,164 @@
+"""The handle's training states: save (every rank its own shards, DCP), wait for an asynchronous save, check, load.
+
+Format and its checks: :mod:`raymoe.checkpoint.training_state`; the ranks' side: :mod:`raymoe.rank.state`.
+
+    save(path, async, extra)   manifest from the session (step, AdamW and balance settings) -> every rank writes
+    wait()                     an asynchronous save finished and swapped in, or its failure raised
+    check(path)                a CheckedState: manifest, model type, every entry and data file, on the driver
+    load(CheckedState)         every rank reads its shards; the session takes the saved settings and step
+
+A failure raises one error naming the directory and changes nothing: ``path`` keeps its previous state, the
+model its weights and optimizer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from raymoe.checkpoint.staging import (
+    CheckpointSaveError,
+    recover_interrupted_save,
+    staging_directory,
+    swappable_target,
+)
+from raymoe.checkpoint.training_state import StateManifest, TrainingStateError, check_training_state
+from raymoe.driver.fanout import FanOut
+from raymoe.driver.training import TrainingSession
+from raymoe.rank.contract import StateAnswer, StateRequest
+from raymoe.rank.state import load_training_state, save_training_state, wait_for_state_save
+from raymoe.spec.balance import BalanceConfig
+from raymoe.spec.launch import LaunchSpec
+from raymoe.spec.optimizer import OptimizerConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckedState:
+    """A training state checked against this model on the driver: its (absolute) directory, its manifest and the
+    optimizer and balance settings it restores."""
+
+    directory: Path
+    manifest: StateManifest
+    optimizer: OptimizerConfig
+    balance: BalanceConfig
+
+
+class TrainingStates:
+    """Saving and loading the training state of one handle's model (``spec``) and session."""
+
+    def __init__(self, spec: LaunchSpec, session: TrainingSession, fanout: FanOut) -> None:
+        self.spec, self.session, self.fanout = spec, session, fanout
+        self.saving: Path | None = None  # the target of an asynchronous save still writing
+
+    def save(self, path: str | os.PathLike[str], async_save: bool, extra: Mapping[str, Any] | None) -> Path:
+        optimizer = self.session.require_optimizer("save_state")
+        checked_extra = _checked_extra(extra)
+        self.wait()
+        target = swappable_target(Path(path).expanduser().absolute())
+        recover_interrupted_save(target)
+        topology = self.fanout.topology
+        manifest = StateManifest(
+            model_config=dict(self.spec.model_config),
+            step=self.session.step,
+            optimizer=asdict(optimizer),
+            balance=asdict(self.session.balance),
+            world_size=topology.world_size,
+            saved_layout=topology.config.model_dump(mode="json"),
+            extra=checked_extra,
+        )
+        request = StateRequest(str(staging_directory(target)), str(target), manifest.to_json(), async_save)
+        answers: list[StateAnswer] = self.fanout.every_rank(save_training_state, request)
+        if async_save:
+            self.saving = target
+        else:
+            _report_save(answers, target)
+        return target
+
+    def wait(self) -> Path | None:
+        target, self.saving = self.saving, None
+        if target is None:
+            return None
+        answers = [a for a in self.fanout.every_rank(wait_for_state_save) if a is not None]
+        _report_save(answers, target)
+        return target
+
+    def check(self, path: str | os.PathLike[str]) -> CheckedState:
+        """Everything checkable on the driver (the manifest read once), before any rank reads."""
+        directory = Path(path).expanduser().absolute()
+        manifest = check_training_state(directory, self.spec.build_meta_model(), self.spec.config.model_type)
+        try:
+            optimizer = OptimizerConfig(**manifest.optimizer)
+            balance = BalanceConfig(**manifest.balance)
+        except (TypeError, ValueError) as error:
+            raise TrainingStateError(
+                f"training state {directory}: bad optimizer or balance settings: {error}"
+            ) from error
+        return CheckedState(directory, manifest, optimizer, balance)
+
+    def load(self, state: CheckedState) -> StateManifest:
+        self.wait()
+        answers: list[StateAnswer] = self.fanout.every_rank(
+            load_training_state, str(state.directory), state.optimizer, state.balance
+        )
+        failures = _failures(answers)
+        if failures:
+            raise TrainingStateError(
+                f"load_state({str(state.directory)!r}) loaded nothing: {failures}; the model is unchanged"
+            )
+        _log_changed_settings(self.session.optimizer, state.optimizer, self.session.balance, state.balance)
+        self.session.restore(state.optimizer, state.balance, state.manifest.step)
+        return state.manifest
+
+
+def _checked_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``extra`` as a plain dict, or a ``ValueError`` before any rank writes when JSON cannot hold it."""
+    if extra is None:
+        return {}
+    if not isinstance(extra, Mapping):
+        raise ValueError(f"save_state: extra must be a dict, got {type(extra).__name__}")
+    try:
+        json.dumps(dict(extra))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"save_state: extra must be JSON-serialisable: {error}") from error
+    return dict(extra)
+
+
+def _failures(answers: Sequence[StateAnswer]) -> str:
+    """The distinct failures the ranks answered, one clause each (every rank reports DCP's failure)."""
+    return "; ".join(dict.fromkeys(a.error for a in answers if a.error is not None))
+
+
+def _report_save(answers: Sequence[StateAnswer], target: Path) -> None:
+    """Log what a finished save wrote, or raise its failure as one ``CheckpointSaveError``."""
+    failures = _failures(answers)
+    if failures:
+        errno = next((a.errno for a in answers if a.errno is not None), None)
+        raise CheckpointSaveError(
+            f"save_state({str(target)!r}) saved nothing: {failures}. {target} keeps what it held before; the model "
+            "is still loaded (weights and optimizer state): fix the cause and call save_state again",
+            errno,
+        )
+    written = sum(a.bytes_written for a in answers)
+    logger.info(
+        "training state %s: %.1f MB from %d ranks, the slowest in %.2f s",
+        target, written / 1e6, len(answers), max((a.seconds for a in answers), default=0.0),
+    )  # fmt: skip
+
+
+def _log_changed_settings(
+    optimizer: OptimizerConfig | None, saved: OptimizerConfig, balance: BalanceConfig, saved_balance: BalanceConfig
+) -> None:
+    """Say which configured settings the loaded state replaced (load_state restores the saved run's)."""
+    if optimizer is None:
+        return
+    before, after = asdict(optimizer) | asdict(balance), asdict(saved) | asdict(saved_balance)
+    changed = [f"{key}={before[key]!r} -> {after[key]!r}" for key in after if before.get(key) != after[key]]
+    if changed:
+        logger.warning("load_state restored the saved run's training settings: %s", ", ".join(changed))

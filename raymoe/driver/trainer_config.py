@@ -1,0 +1,130 @@
+"""What a :class:`~raymoe.driver.trainer.Trainer` run does: steps, batch, schedule, AdamW, balance, saving, resuming.
+
+Every field is checked when the config is built (a ``ValueError`` naming it), before any rank is asked;
+the AdamW defaults are :class:`~raymoe.spec.optimizer.OptimizerConfig`'s, the balance options
+:mod:`raymoe.spec.balance`'s.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from raymoe.driver.run_directory import LATEST, RunDirectory
+from raymoe.driver.schedule import WarmupCosine
+from raymoe.spec.balance import DEFAULT_BIAS_UPDATE_RATE, BalanceOptions
+from raymoe.spec.optimizer import OptimizerConfig
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """What a run does. ``global_batch_size`` rows (sequences) make one optimizer step.
+
+    ``gradient_accumulation_steps`` splits each data-parallel rank's share of the global batch
+    into that many forward/backward passes before the step (same result, less activation memory).
+    ``lr`` is the peak of the schedule; it and the other AdamW fields default to
+    :class:`~raymoe.spec.optimizer.OptimizerConfig`'s. ``warmup_steps`` None: a tenth of ``steps``.
+    ``eval_every``/``save_every`` None: evaluate only before the first and after the last step,
+    save only at the end. ``balance``, ``router_aux_loss_coef``, ``bias_update_rate`` and
+    ``capacity_factor`` are the load-balancing options of :mod:`raymoe.spec.balance`.
+
+    ``save_state_every``: after every that many steps, the whole training state goes to
+    ``output_dir/states/step-<n>`` (``async_save``: written while training goes on; the next save and the end of
+    :meth:`Trainer.fit` wait for it); then all but the newest ``keep_last`` states are removed (None keeps all).
+    ``resume_from``: ``"latest"`` continues from the newest complete state under ``output_dir/states`` (none yet:
+    start at step 0, as the first launch of an auto-restarting job does), a path from that state.
+    An ``output_dir`` that holds an earlier run (a non-empty ``metrics.jsonl``, ``checkpoint/`` or a state) is
+    refused without ``resume_from``, unless ``overwrite=True``, which removes its states and starts the metrics
+    afresh (the next save replaces ``checkpoint/``).
+    ``max_failures``: how many times :meth:`Trainer.fit` restarts the model's ranks when one dies or hangs (new
+    actors, the newest state reloaded, or the initial weights before the first state), so the finished run equals
+    an uninterrupted one; 0 raises the first failure.
+    Ctrl-C (SIGINT) or SIGTERM during :meth:`Trainer.fit` stops after the step in progress, saves the training state
+    there (``save_state_on_interrupt``) and raises :class:`TrainingInterrupted`; a second one stops at once.
+    """
+
+    output_dir: str | Path
+    steps: int = 100
+    global_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    lr: float = OptimizerConfig.lr
+    warmup_steps: int | None = None
+    min_lr_ratio: float = 0.1
+    weight_decay: float = OptimizerConfig.weight_decay
+    betas: tuple[float, float] = OptimizerConfig.betas
+    eps: float = OptimizerConfig.eps
+    max_grad_norm: float | None = OptimizerConfig.max_grad_norm
+    balance: str = "auto"
+    router_aux_loss_coef: float | None = None
+    bias_update_rate: float = DEFAULT_BIAS_UPDATE_RATE
+    capacity_factor: float | None = None
+    eval_every: int | None = None
+    save_every: int | None = None
+    save_at_end: bool = True
+    seed: int = 0
+    progress: bool = True
+    save_state_every: int | None = None
+    keep_last: int | None = 2
+    async_save: bool = False
+    resume_from: str | os.PathLike[str] | None = None
+    overwrite: bool = False
+    max_failures: int = 0
+    save_state_on_interrupt: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "global_batch_size", "gradient_accumulation_steps"):
+            check_int(name, getattr(self, name), minimum=1)
+        check_int("seed", self.seed, minimum=0)
+        check_int("max_failures", self.max_failures, minimum=0)
+        for name in ("eval_every", "save_every", "save_state_every", "keep_last"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), minimum=1)
+        for name in ("async_save", "overwrite", "save_state_on_interrupt"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"TrainerConfig: {name}={getattr(self, name)!r} must be True or False")
+        resume = self.resume_from
+        if resume is not None and (not isinstance(resume, str | os.PathLike) or not str(resume)):
+            raise ValueError(
+                f"TrainerConfig: resume_from={resume!r} must be None, {LATEST!r} or the path of a training state"
+            )
+        if resume is not None and self.overwrite:
+            raise ValueError(
+                f"TrainerConfig: resume_from={str(resume)!r} and overwrite=True contradict each other (resuming "
+                "continues the earlier run, overwrite discards it): choose one"
+            )
+        # The schedule checks lr, 0 <= warmup_steps <= steps and min_lr_ratio, naming each field;
+        # the balance options check theirs (all before any rank is asked).
+        self.schedule()
+        self.balance_options()
+        self.optimizer()
+
+    def balance_options(self) -> BalanceOptions:
+        return BalanceOptions(self.balance, self.router_aux_loss_coef, self.bias_update_rate, self.capacity_factor)
+
+    def schedule(self) -> WarmupCosine:
+        warmup = self.warmup_steps if self.warmup_steps is not None else self.steps // 10
+        return WarmupCosine(self.lr, self.steps, warmup, self.min_lr_ratio)
+
+    def optimizer(self) -> OptimizerConfig:
+        """The AdamW settings of the run (its ``lr`` the schedule's peak; each step sets the schedule's lr)."""
+        return OptimizerConfig(
+            lr=self.lr, weight_decay=self.weight_decay, betas=self.betas, eps=self.eps, max_grad_norm=self.max_grad_norm
+        )
+
+    def run_directory(self) -> RunDirectory:
+        return RunDirectory(self.output_dir)
+
+    def check_output_dir(self) -> Path | None:
+        """What ``output_dir`` holds, against ``resume_from`` and ``overwrite``, on the driver and without writing:
+        the state a run resumes from (None: it starts at step 0). A ``ValueError`` when ``output_dir`` holds an
+        earlier run that neither is given for, or when the ``resume_from`` path is not a complete state
+        (:meth:`RunDirectory.start_point`). :class:`Trainer` calls it before any rank is asked; a script can call it
+        before it starts a cluster."""
+        return self.run_directory().start_point(self.resume_from, self.overwrite)
+
+
+def check_int(name: str, value: object, minimum: int) -> None:
+    """A ``ValueError`` naming ``name`` unless ``value`` is an int >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"TrainerConfig: {name}={value!r} must be an int >= {minimum}")

@@ -1,0 +1,179 @@
+"""The driver <-> rank contract: every message that crosses between the driver and a rank process.
+
+Plain frozen data, pickled by Ray (or passed as is by an in-process group). The driver builds the requests
+and reads the answers; it imports this module, and the rank functions it sends, but no rank internals.
+
+    driver -> rank                                   rank -> driver
+    Rendezvous      join the world (once)            RankFailure   a rank function raised (as text + its kind)
+    MicroBatch      rows of a step or evaluation     LoadReport    bytes read / held after load_shards
+    DecodeRequest   how to decode (generation)       StepResult    a rank's share of one optimizer step
+    StateRequest    where a training state goes      SaveResult    save_pretrained's files or failure (rank 0)
+                                                     StateAnswer   a state save / wait / load outcome
+                                                     RankProgress  what a rank runs, where it waits (monitor)
+
+Shapes use ``B`` (rows of this rank), ``S`` (sequence), ``L`` (MoE layers), ``E`` (experts), ``M``
+(micro-batches). Tensors travel on CPU; the rank moves them to its device.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from torch import Tensor
+
+from raymoe.models.common.generation import SamplingConfig, StopRules
+
+Backend = Literal["nccl", "gloo"]
+
+# A collective that waits longer than this ends the call (SPEC RAY-2): long enough for a slow step or shard read,
+# short enough that a hung rank is named within minutes (actors/group.py watches for it on the driver).
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Everything a rank needs to join the world; built on the driver, sent to each rank once."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    backend: Backend | None = None
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of a rank's rows: ``input_ids`` and ``labels`` ``[B, S]`` int64 (-100: no loss),
+    ``token_mask [B, S]`` bool, the real tokens (False: padding), which the aux loss counts, and for packed rows
+    ``document_ids [B, S]`` (each document attends only to itself; None: plain rows). Every rank of a tp group
+    gets the same rows (TOPO-1)."""
+
+    input_ids: Tensor
+    labels: Tensor
+    token_mask: Tensor
+    document_ids: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One rank's share of a step: its summed token loss, the global gradient norm before clipping (the same on
+    every rank), and (the answering rank of a batch, MoE models) of its rows: pairs per expert ``[L, E]``, dropped
+    pairs ``[L]`` and each micro-batch's aux-loss statistics ``[M, 2 L E + 1]`` (chosen pairs of real tokens and
+    summed router probabilities per layer, real tokens), from which the driver reports the aux loss whether or not
+    it is trained on."""
+
+    loss_sum: float
+    grad_norm: float
+    expert_load: Tensor | None = None
+    dropped_pairs: Tensor | None = None
+    aux_stats: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """What every rank needs to decode its rows, checked on the driver."""
+
+    max_new_tokens: int
+    sampling: SamplingConfig
+    stop: StopRules
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What one rank read: bytes requested from the checkpoint, and the bytes of its local parameters."""
+
+    rank: int
+    bytes_read: int
+    bytes_held: int
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """One rank's answer to ``save_gathered``: rank 0's files, or why it saved nothing (``error``, a message
+    naming the file and the cause; ``errno``, the disk's code when it gave one). Other ranks answer an empty one."""
+
+    files: tuple[str, ...] = ()
+    error: str | None = None
+    errno: int | None = None
+
+
+@dataclass(frozen=True)
+class StateRequest:
+    """Where a save writes (``staging``, beside ``target``) and the manifest rank 0 adds (JSON-ready)."""
+
+    staging: str
+    target: str
+    manifest: dict[str, Any]
+    async_save: bool = False
+
+
+@dataclass(frozen=True)
+class StateAnswer:
+    """One rank's answer to a save, wait or load: ``error`` (naming file and cause) or None, ``errno`` where the disk
+    gave one, seconds from the call (or the asynchronous save's start) to the answer, and bytes this rank wrote."""
+
+    error: str | None = None
+    errno: int | None = None
+    seconds: float = 0.0
+    bytes_written: int = 0
+
+
+@dataclass(frozen=True)
+class GroupProgress:
+    """One process group on one rank: ``name`` (the same on every member), ``desc`` (``mesh_tp``, ``default_pg``,
+    ...), collectives entered and finished, and the last one entered (``op``, e.g. ``all_reduce``)."""
+
+    name: str
+    desc: str
+    entered: int
+    finished: int
+    op: str = ""
+    waiting_s: float = 0.0  # how long the last entered collective has been in flight (0 when finished)
+
+    @property
+    def waiting(self) -> bool:
+        return self.entered > self.finished
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    """A rank's answer: its rank, the rank function it runs (None between calls), for how long, and its groups."""
+
+    rank: int
+    function: str | None
+    running_s: float
+    groups: tuple[GroupProgress, ...] = field(default_factory=tuple)
+
+    def waiting_in(self) -> list[GroupProgress]:
+        return [group for group in self.groups if group.waiting]
+
+
+class FailureKind(enum.Enum):
+    """Why a rank function raised, as far as the rank can tell (:func:`raymoe.rank.failure.rank_failure`).
+
+    ``RAISED``: its own code failed (a bug, bad data, out of memory): a primary failure. ``LOST_PEER``: a
+    collective failed because another member went away (connection closed or reset, a communicator aborted):
+    a secondary one, the consequence of another rank's failure. ``TIMED_OUT``: a collective waited past the
+    collective timeout (the driver then names whom it waited for).
+    """
+
+    RAISED = "raised"
+    LOST_PEER = "lost its peer"
+    TIMED_OUT = "timed out"
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """An exception raised by a rank function, as text (exceptions may not unpickle on the driver): its type,
+    message and traceback, its :class:`FailureKind`, and the rank's progress when it raised (the collective a
+    lost peer broke, for the driver's message)."""
+
+    error_type: str
+    message: str
+    traceback: str
+    kind: FailureKind = FailureKind.RAISED
+    progress: RankProgress | None = None

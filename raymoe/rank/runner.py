@@ -1,0 +1,159 @@
+"""How a rank runs what it holds: the whole model, or its pipeline stages; decided once, when the model loads.
+
+The rank functions (train, evaluate, infer, save) are written once against :class:`StageRunner`; which
+runner a rank has follows ``spec.stages`` (:func:`raymoe.rank.load.load_shards` picks it)::
+
+    WholeModel       (pp_size = 1)   one part; a forward is one call of the model
+    PipelineStages   (pp_size > 1)   the parts of this rank's stages (raymoe.rank.pipeline); a forward walks
+                                     the stages rank to rank, training runs a pipeline schedule
+
+A *part call* ``run(part, inputs) -> output`` is what one forward does with one part: token ids (the first
+stage) or hidden states ``[B, S, H]`` in, hidden states or logits out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from raymoe.models.common.decoder import CausalLM
+from raymoe.models.common.generation import Decoder
+from raymoe.models.common.loss import causal_lm_loss
+from raymoe.parallel.vocab_parallel import vocab_parallel_loss, whole
+from raymoe.rank.balance import Routing, aux_loss, collect_routing
+from raymoe.rank.contract import MicroBatch
+
+if TYPE_CHECKING:
+    from raymoe.rank.context import RankContext, Training
+    from raymoe.spec.launch import LaunchSpec
+
+PartCall = Callable[[CausalLM, Tensor], Tensor]
+
+
+@dataclass
+class Backward:
+    """What the forward/backward passes of a step's micro-batches leave: their summed token loss (float32, 0 on
+    ranks that take no loss) and, where routing is recorded, each micro-batch's :class:`Routing`."""
+
+    loss_sum: Tensor
+    routings: list[Routing] = field(default_factory=list)
+
+
+class StageRunner(Protocol):
+    """What the rank functions need from the model parts a rank holds."""
+
+    @property
+    def parts(self) -> tuple[CausalLM, ...]: ...
+
+    @property
+    def stage_ids(self) -> tuple[int, ...]: ...
+
+    def whole_model(self) -> CausalLM:
+        """The whole model; an error where the rank holds only some stages."""
+        ...
+
+    def forward(self, ctx: RankContext, input_ids_BS: Tensor, run: PartCall) -> Tensor | None:
+        """``run`` through every part in model order: the last part's output, None on ranks that hold no last stage."""
+        ...
+
+    def decoder(self, ctx: RankContext) -> Decoder | CausalLM:
+        """What a :class:`~raymoe.models.common.generation.Generation` steps."""
+        ...
+
+    def backward(
+        self, ctx: RankContext, training: Training, micro_batches: Sequence[MicroBatch], global_tokens: int
+    ) -> Backward:
+        """Forward and backward of every micro-batch; gradients accumulate in the parts."""
+        ...
+
+    def norm_group(self, ctx: RankContext) -> dist.ProcessGroup | None:
+        """The group over which the ranks hold the other parameters of the model (None: this rank has them all)."""
+        ...
+
+    def gathered(self, ctx: RankContext, spec: LaunchSpec) -> tuple[CausalLM, Iterator[tuple[str, Tensor]]]:
+        """The model a checkpoint names its tensors after, and every parameter in full (on rank 0 at least), one at a
+        time, in the same order on every rank (each gather is a collective)."""
+        ...
+
+
+class WholeModel:
+    """The whole model on this rank (no pipeline parallelism)."""
+
+    def __init__(self, model: CausalLM) -> None:
+        self.model = model
+
+    @property
+    def parts(self) -> tuple[CausalLM, ...]:
+        return (self.model,)
+
+    @property
+    def stage_ids(self) -> tuple[int, ...]:
+        return (0,)
+
+    def whole_model(self) -> CausalLM:
+        return self.model
+
+    def forward(self, ctx: RankContext, input_ids_BS: Tensor, run: PartCall) -> Tensor:
+        return run(self.model, input_ids_BS.to(ctx.device))
+
+    def decoder(self, ctx: RankContext) -> CausalLM:
+        return self.model
+
+    def backward(
+        self, ctx: RankContext, training: Training, micro_batches: Sequence[MicroBatch], global_tokens: int
+    ) -> Backward:
+        """Each micro-batch's loss divided by the global batch's token count (plus its share of the aux loss), so the
+        accumulated gradients are those of the global mean loss. FSDP2 reduces gradients after the last one."""
+        model, balance = self.model, training.balance
+        model.train()
+        done = Backward(torch.zeros((), dtype=torch.float32))
+        trains_aux = balance.aux_loss_coef > 0
+        for index, micro in enumerate(micro_batches):
+            if isinstance(model, FSDPModule):
+                model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+            with vocab_parallel_loss(model):
+                micro_loss = micro_loss_sum(model, micro, ctx.device)
+                # FSDP2 sums the gradients over data-parallel ranks (raymoe.parallel.fsdp): one process's gradient.
+                objective = micro_loss / global_tokens
+                routing = collect_routing(model, micro.token_mask.reshape(-1).to(ctx.device), with_grad=trains_aux)
+                if routing is not None and trains_aux:
+                    share = aux_loss(routing, ctx, per_layer=balance.aux_loss_per_layer) / len(micro_batches)
+                    objective = objective + balance.aux_loss_coef * share
+                objective.backward()
+            done.loss_sum += micro_loss.detach().float().cpu()
+            if routing is not None:
+                done.routings.append(routing)
+        return done
+
+    def norm_group(self, ctx: RankContext) -> None:
+        return None
+
+    def gathered(self, ctx: RankContext, spec: LaunchSpec) -> tuple[CausalLM, Iterator[tuple[str, Tensor]]]:
+        return self.model, full_parameters(self.model)
+
+
+def micro_loss_sum(model: nn.Module, micro: MicroBatch, device: torch.device) -> Tensor:
+    """The summed token loss of ``micro``'s rows (a float32 scalar), with the graph to back-propagate it.
+
+    No reference to the logits ``[B, S, V]`` outlives this call: the loss's graph keeps only their log-softmax,
+    so the logits are freed before backward instead of sitting beside their ``[B, S, V]`` gradients (one
+    vocabulary-wide tensor less at the step's peak; transformers' output keeps them).
+    """
+    documents = micro.document_ids.to(device) if micro.document_ids is not None else None
+    logits = model(micro.input_ids.to(device), document_ids_BS=documents)
+    loss: Tensor = whole(causal_lm_loss(logits, micro.labels.to(device), reduction="sum"))
+    del logits
+    return loss
+
+
+def full_parameters(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """Every parameter of ``model`` in full, gathered one at a time (a collective per DTensor)."""
+    for name, param in model.named_parameters():
+        yield name, (param.full_tensor() if isinstance(param, DTensor) else param.detach())

@@ -1,0 +1,114 @@
+"""Blaming the rank where a failure began: the pure sorting of outcomes, and a SIGKILLed rank under CPU load.
+
+When a rank dies, its peers' collectives fail within milliseconds and which error reaches the driver first is
+a race; the first line of the error must name the dead rank every time, never a survivor that lost its peer.
+``RAYMOE_BLAME_REPEAT=10 pytest tests/actors/test_blame.py`` runs the kill test ten times per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from ray import cloudpickle
+
+from actors import GroupOptions, RankError, RayRankGroup
+from actors.blame import Fate, Outcome, assign_blame, death_cause
+from raymoe import DistributedConfig, build_topology
+from raymoe.rank.contract import FailureKind, GroupProgress, RankFailure, RankProgress
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+TOPOLOGY = build_topology(DistributedConfig(tp_size=2, fsdp_size=2))
+LOST = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"
+REPEAT = int(os.environ.get("RAYMOE_BLAME_REPEAT", "1"))
+
+
+def lost_peer(op: str = "all_reduce", desc: str = "mesh_fsdp") -> Outcome:
+    progress = RankProgress(0, "train_step", 1.0, (GroupProgress("3", desc, 5, 4, op, 0.1),))
+    return Outcome.of_failure(RankFailure("RuntimeError", LOST, "Traceback: survivor", FailureKind.LOST_PEER, progress))
+
+
+def test_the_dead_rank_is_primary_whatever_arrived_first():
+    outcomes = {
+        0: lost_peer(),
+        1: Outcome(
+            Fate.DIED, death_cause("The actor is dead because its worker process has died."), "", "10.0.0.2", 42
+        ),
+        2: lost_peer(),
+        3: Outcome(Fate.WAITING, "in all_gather on the tp sub-mesh"),
+    }
+    blame = assign_blame("train_step", outcomes, TOPOLOGY)
+    assert blame.primary == (1,) and blame.secondary == (0, 2, 3)
+    first = blame.message.splitlines()[0]
+    assert first.startswith(f"{TOPOLOGY.ranks[1].label()} died in train_step: its process exited")
+    assert "on node 10.0.0.2 (pid 42)" in first
+    assert "rank 0 (" in first and "rank 2 (" in first and "lost their peer in all_reduce on the fsdp sub-mesh" in first
+    assert "still running (in all_gather on the tp sub-mesh)" in first
+    assert blame.traceback == "Traceback: survivor" and blame.traceback_rank == 0  # the only traceback there is
+
+
+def test_a_rank_that_raised_is_primary_and_its_traceback_is_shown():
+    own = RankFailure("ValueError", "bad shard\nmore", "Traceback: own", FailureKind.RAISED)
+    outcomes = {0: lost_peer(), 1: Outcome(Fate.ANSWERED), 2: Outcome.of_failure(own), 3: Outcome(Fate.SILENT)}
+    blame = assign_blame("load_shards", outcomes, TOPOLOGY)
+    assert blame.primary == (2,) and blame.traceback == "Traceback: own" and blame.traceback_rank == 2
+    assert blame.message.startswith(f"{TOPOLOGY.ranks[2].label()} failed in load_shards: ValueError: bad shard;")
+    assert "rank 3 (" in blame.message and "did not answer" in blame.message
+    assert "rank 1 (" not in blame.message  # it finished its call
+
+
+def test_only_secondary_failures_say_so():
+    blame = assign_blame("train_step", {0: lost_peer(), 1: Outcome(Fate.SILENT)}, None)
+    assert blame.primary == () and blame.message.startswith("no rank was seen failing first in train_step; rank 0 lost")
+
+
+def test_death_causes_in_ray_words():
+    assert "memory monitor" in death_cause("Task was killed due to the node running low on memory. OutOfMemoryError")
+    assert death_cause("The actor was killed by ray.kill") == "killed by ray.kill"
+    assert "SIGKILL" in death_cause("Worker unexpectedly exits with a connection error code 2. End of file.")
+
+
+# --- a real kill, under load -------------------------------------------------------------------
+
+
+def all_reduce_until_killed(ctx, victim: int, at: int) -> int:
+    """Every rank all-reduces over the world; ``victim`` SIGKILLs itself before its ``at``-th."""
+    value = torch.ones(1 << 12)
+    for step in range(10 * at):
+        if ctx.rank == victim and step == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(value)
+    return ctx.rank
+
+
+@pytest.fixture
+def busy_cores():
+    """Two busy processes, one per core of a 2-core CI machine: the ranks and Ray compete for the CPU."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    yield
+    for hog in hogs:
+        hog.kill()
+        hog.wait()
+
+
+@pytest.mark.parametrize("repetition", range(REPEAT))
+def test_a_killed_rank_is_named_first_under_load(ray_session, busy_cores, repetition):
+    group = RayRankGroup.for_topology(TOPOLOGY, GroupOptions(cpus_per_rank=0.25, collective_timeout_s=60))
+    try:
+        for victim in range(1, TOPOLOGY.world_size):
+            with pytest.raises(RankError) as caught:
+                group.execute(all_reduce_until_killed, victim, 20)
+            first = str(caught.value).splitlines()[0]
+            assert first.startswith(f"rank {victim} (") and " died in all_reduce_until_killed: " in first, first
+            assert caught.value.primary == (victim,) and caught.value.rank == victim, first
+            assert not group.is_alive
+            if victim + 1 < TOPOLOGY.world_size:
+                group = group.replacement()
+    finally:
+        group.shutdown()
