@@ -65,8 +65,9 @@ class Outcome:
             failure.kind, Fate.TIMED_OUT
         )
         detail = f"{failure.error_type}: {_first_line(failure.message)}"
-        if fate is not Fate.RAISED and failure.progress is not None and failure.progress.waiting_in():
-            detail = _collectives(failure.progress)
+        progress = failure.progress
+        if fate is not Fate.RAISED:  # where the collective broke, or else the transport's words
+            detail = _collectives(progress) if progress is not None and progress.waiting_in() else f"({detail})"
         return cls(fate, detail, failure.traceback, node, pid)
 
     @classmethod

@@ -12,7 +12,9 @@ the rank(s) where the failure began (:mod:`actors.blame`): once one rank's call 
 other rank up to ``BLAME_GRACE_S`` to report its own outcome (its call's result, or, asked from its monitor
 thread, whether it is alive and where it waits; Ray answers that for a dead actor), so a survivor whose
 collective lost its peer is never blamed for the rank that died. The group is then shut down, since the
-surviving ranks may be stuck in a collective.
+surviving ranks may be stuck in a collective. While no primary failure (a death, a rank's own exception) has
+been seen, the ranks that lost their peer are consequences of one still to come, and it waits on, within the
+same bound.
 
 A call that hangs is caught by the driver's own watchdog: once it has run for ``collective_timeout_s``,
 every few seconds the driver asks each rank for its progress (answered from a second thread of the
@@ -56,9 +58,9 @@ BLAME_GRACE_S = 10.0
 class RankError(RuntimeError):
     """A rank failed; ``rank`` (the first of ``primary``), ``function`` and ``remote_traceback`` say where and how.
 
-    ``primary``: the ranks where the failure began (died, or their own code raised); ``secondary``: the others
-    (lost their peer, still waiting, did not answer); ``cause``: the message's first line, which names the
-    primary ranks."""
+    ``primary``: the ranks where the failure began (died, or their own code raised; empty when none was seen, and
+    ``rank`` is then the lowest rank that failed); ``secondary``: the others (lost their peer, still waiting, did
+    not answer); ``cause``: the message's first line, which names the primary ranks."""
 
     def __init__(
         self,
@@ -66,14 +68,14 @@ class RankError(RuntimeError):
         rank: int,
         function: str,
         remote_traceback: str,
-        primary: tuple[int, ...] = (),
+        primary: tuple[int, ...] | None = None,
         secondary: tuple[int, ...] = (),
     ) -> None:
         super().__init__(message)
         self.rank = rank
         self.function = function
         self.remote_traceback = remote_traceback
-        self.primary = primary if primary else ((rank,) if rank >= 0 else ())
+        self.primary = primary if primary is not None else ((rank,) if rank >= 0 else ())
         self.secondary = secondary
 
     @property
@@ -267,7 +269,8 @@ class RayRankGroup:
 
     def _fail(self, function: str, outcomes: dict[int, Outcome], pending: dict[int, Any]) -> NoReturn:
         """Collect the other ranks' outcomes (bounded by ``BLAME_GRACE_S``), blame, shut down and raise."""
-        outcomes = {**outcomes, **self._settle(pending)}
+        primary_known = any(outcome.fate.primary for outcome in outcomes.values())
+        outcomes = {**outcomes, **self._settle(pending, primary_known)}
         blame = assign_blame(function, outcomes, self.topology)
         logger.error("%s", blame.message)
         self.shutdown()
@@ -284,16 +287,23 @@ class RayRankGroup:
             secondary=blame.secondary,
         )
 
-    def _settle(self, pending: dict[int, Any]) -> dict[int, Outcome]:
-        """Each pending rank's outcome: its call's, once it ends; else its monitor thread's answer (alive: where it
-        waits) or Ray's word that the actor died. Returns when every rank has one, or after ``BLAME_GRACE_S``."""
+    def _settle(self, pending: dict[int, Any], primary_known: bool) -> dict[int, Outcome]:
+        """Each pending rank's outcome: its call's, once it ends (a dead actor's call ends with Ray's word that it
+        died); else what its monitor thread answers (alive: where it waits).
+
+        Returns as soon as every pending rank has an outcome or a monitor answer and a primary failure (a death, a
+        rank's own exception) is known; while none is, the ranks that lost their peer are consequences of a failure
+        not yet seen, so it waits on (a dying process may close its connections before Ray sees it end), up to
+        ``BLAME_GRACE_S`` in all."""
         probes = {actor_ref: rank for rank in pending if (actor_ref := self._probe(rank)) is not None}
         calls = {ref: rank for rank, ref in pending.items()}
         outcomes: dict[int, Outcome] = {}
-        waiting: dict[int, Outcome] = {}
+        alive: dict[int, Outcome] = {}
         deadline = time.monotonic() + BLAME_GRACE_S
         unresolved = [*calls, *probes]
         while unresolved and len(outcomes) < len(pending):
+            if primary_known and set(alive) | set(outcomes) >= set(pending):
+                break  # the cause is known and every other rank is accounted for
             ready, unresolved = ray.wait(unresolved, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
             if not ready:
                 break
@@ -301,18 +311,14 @@ class RayRankGroup:
             if ref in calls:
                 _, outcome = self._outcome(calls[ref], ref)
                 outcomes[calls[ref]] = outcome if outcome is not None else Outcome(Fate.ANSWERED)
-                continue
-            rank = probes[ref]
-            try:
-                report = ray.get(ref)
-            except ray.exceptions.RayError as exc:  # the actor is gone: that is its outcome
-                outcomes[rank] = self._outcome_of_death(rank, exc)
-                continue
-            waiting[rank] = Outcome.of_progress(report)
-            if set(waiting) | set(outcomes) >= set(pending):
-                break  # every pending rank is alive and answered: nothing more will come soon
+            else:
+                try:
+                    alive[probes[ref]] = Outcome.of_progress(ray.get(ref))
+                except ray.exceptions.RayError as exc:  # the actor is gone: that is its outcome
+                    outcomes[probes[ref]] = self._outcome_of_death(probes[ref], exc)
+            primary_known = primary_known or any(outcome.fate.primary for outcome in outcomes.values())
         for rank in pending:
-            outcomes.setdefault(rank, waiting.get(rank, Outcome(Fate.SILENT)))
+            outcomes.setdefault(rank, alive.get(rank, Outcome(Fate.SILENT)))
         return outcomes
 
     def _probe(self, rank: int) -> Any:

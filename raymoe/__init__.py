@@ -11,10 +11,14 @@ from raymoe.checkpoint import load_model, save_model
 from raymoe.checkpoint.export import export_state
 from raymoe.driver.dataset import load_dataset
 from raymoe.driver.handle import DistributedModel
+from raymoe.driver.interrupts import TrainingInterrupted
 from raymoe.driver.packing import PackedData
+from raymoe.driver.recovery import TrainingFailed
+from raymoe.driver.step_records import TrainSummary
 from raymoe.driver.tiny import build_tiny_checkpoint
 from raymoe.driver.tokenizer import TextTokenizer, load_tokenizer
-from raymoe.driver.trainer import Trainer, TrainerConfig, TrainingFailed, TrainingInterrupted, TrainSummary
+from raymoe.driver.trainer import Trainer
+from raymoe.driver.trainer_config import TrainerConfig
 from raymoe.models.common.generation import generate
 from raymoe.parallel.styles import ExpertRole, ParallelStyle, register, unregister
 from raymoe.rank.local import LocalRankGroup

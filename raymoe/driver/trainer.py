@@ -48,7 +48,7 @@ from raymoe.driver.batch_order import batch_indices
 from raymoe.driver.interrupts import StopRequests, TrainingInterrupted
 from raymoe.driver.metrics import MetricsLog, plot_metrics
 from raymoe.driver.packing import PackedData
-from raymoe.driver.recovery import Decision, FailurePolicy, RestartRecord, TrainingFailed, cause_of
+from raymoe.driver.recovery import Decision, FailurePolicy, RestartRecord, cause_of
 from raymoe.driver.resume import position, resume_step, warn_changed_settings
 from raymoe.driver.run_directory import LATEST
 from raymoe.driver.step_records import TrainSummary, progress_postfix, step_record
@@ -58,8 +58,6 @@ from raymoe.models.common.loss import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from raymoe.driver.handle import DistributedModel
-
-__all__ = ["TrainSummary", "Trainer", "TrainerConfig", "TrainingFailed", "TrainingInterrupted"]
 
 logger = logging.getLogger(__name__)
 

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -77,11 +78,16 @@ def test_death_causes_in_ray_words():
 # --- a real kill, under load -------------------------------------------------------------------
 
 
-def all_reduce_until_killed(ctx, victim: int, at: int) -> int:
-    """Every rank all-reduces over the world; ``victim`` SIGKILLs itself before its ``at``-th."""
+def all_reduce_until_killed(ctx, victim: int, at: int, how: str) -> int:
+    """Every rank all-reduces over the world; before its ``at``-th, ``victim`` is SIGKILLed (``"kill"``), or first
+    closes its connections and dies a second later (``"closing"``: a process going down in stages), so that its
+    peers' errors surely reach the driver before Ray reports the death."""
     value = torch.ones(1 << 12)
     for step in range(10 * at):
         if ctx.rank == victim and step == at:
+            if how == "closing":
+                dist.destroy_process_group()
+                time.sleep(1.0)  # the scenario: the connections are gone, the process not yet
             os.kill(os.getpid(), signal.SIGKILL)
         dist.all_reduce(value)
     return ctx.rank
@@ -97,18 +103,41 @@ def busy_cores():
         hog.wait()
 
 
-@pytest.mark.parametrize("repetition", range(REPEAT))
-def test_a_killed_rank_is_named_first_under_load(ray_session, busy_cores, repetition):
-    group = RayRankGroup.for_topology(TOPOLOGY, GroupOptions(cpus_per_rank=0.25, collective_timeout_s=60))
+def fail_each_rank(group: RayRankGroup, victims, how: str) -> list[RankError]:
+    """Kill each of ``victims`` in turn (a new world after each); the errors."""
+    errors = []
     try:
-        for victim in range(1, TOPOLOGY.world_size):
+        for victim in victims:
             with pytest.raises(RankError) as caught:
-                group.execute(all_reduce_until_killed, victim, 20)
-            first = str(caught.value).splitlines()[0]
-            assert first.startswith(f"rank {victim} (") and " died in all_reduce_until_killed: " in first, first
-            assert caught.value.primary == (victim,) and caught.value.rank == victim, first
+                group.execute(all_reduce_until_killed, victim, 20, how)
+            errors.append(caught.value)
             assert not group.is_alive
-            if victim + 1 < TOPOLOGY.world_size:
+            if victim != victims[-1]:
                 group = group.replacement()
     finally:
         group.shutdown()
+    return errors
+
+
+@pytest.mark.parametrize("how", ["kill", "closing"])
+@pytest.mark.parametrize("repetition", range(REPEAT))
+def test_a_killed_rank_is_named_first_under_load(ray_session, busy_cores, repetition, how):
+    group = RayRankGroup.for_topology(TOPOLOGY, GroupOptions(cpus_per_rank=0.25, collective_timeout_s=60))
+    victims = range(1, TOPOLOGY.world_size)
+    for victim, error in zip(victims, fail_each_rank(group, list(victims), how), strict=True):
+        first = str(error).splitlines()[0]
+        assert first.startswith(f"rank {victim} (") and " died in all_reduce_until_killed: " in first, first
+        assert error.primary == (victim,) and error.rank == victim, first
+        if how == "closing":  # the survivors' errors came first: they are named, as secondary
+            assert "lost their peer" in first and set(error.secondary) == set(range(4)) - {victim}, first
+
+
+def test_without_the_grace_the_survivors_errors_would_be_all_there_is(ray_session, monkeypatch):
+    """The twin: the driver raising on the first errors it gets, as it did before, names no primary rank when the
+    dead rank's connections closed before its death was reported."""
+    import actors.group
+
+    monkeypatch.setattr(actors.group, "BLAME_GRACE_S", 0.0)
+    group = RayRankGroup.for_topology(TOPOLOGY, GroupOptions(cpus_per_rank=0.25, collective_timeout_s=60))
+    (error,) = fail_each_rank(group, [1], "closing")
+    assert error.primary == () and str(error).startswith("no rank was seen failing first"), str(error)
