@@ -74,12 +74,12 @@ def _install_wait_clock(ctx: Any) -> None:
     """Wrap the pipeline's p2p wait and the schedule step on this rank with clocks kept on ``ctx``."""
     import torch.distributed.pipelining.schedules as schedules
 
-    import raymoe.rank.train as train
+    from raymoe.rank.pipeline import PipelineStages
 
     if getattr(ctx, "bench_clock", None) is not None:
         return
     clock = {"wait": 0.0, "step": 0.0}
-    wait, step = schedules._wait_batch_p2p, train.train_pipeline_micro_batch
+    wait, step = schedules._wait_batch_p2p, PipelineStages._micro_batch
 
     def timed_wait(work: Any) -> Any:
         began = time.perf_counter()
@@ -96,7 +96,7 @@ def _install_wait_clock(ctx: Any) -> None:
             clock["step"] += time.perf_counter() - began
 
     schedules._wait_batch_p2p = timed_wait
-    train.train_pipeline_micro_batch = timed_step
+    PipelineStages._micro_batch = timed_step
     ctx.bench_clock = clock
 
 
