@@ -40,8 +40,17 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.blame import Fate, Outcome, assign_blame, death_cause
 from actors.cluster import track_world
-from actors.hang import Diagnosis, diagnose
-from actors.placement import Placement, PlacementRequest, check_fits, cluster_nodes, node_block, place
+from actors.hang import PROGRESS_ANSWER_S, Diagnosis, diagnose, poll_interval_s
+from actors.placement import (
+    Placement,
+    PlacementRequest,
+    check_fits,
+    cluster_nodes,
+    node_block,
+    place,
+    rank_backend,
+    rank_env,
+)
 from actors.rank import CONCURRENCY_GROUPS, RankActor
 from raymoe.rank.context import use_layout
 from raymoe.rank.contract import DEFAULT_COLLECTIVE_TIMEOUT_S, Backend, RankFailure, RankProgress, Rendezvous
@@ -49,7 +58,6 @@ from raymoe.spec.topology import Topology
 
 logger = logging.getLogger(__name__)
 
-PROGRESS_ANSWER_S = 5.0  # how long a rank gets to answer a progress request before it counts as frozen
 # Once a rank's call failed, how long the others get to report their own outcome (Ray takes well under a second
 # to report a dead actor, a live rank's monitor thread answers in milliseconds): the bound on the wait, not a pause.
 BLAME_GRACE_S = 10.0
@@ -129,6 +137,7 @@ class RayRankGroup:
     def create(cls, world_size: int, options: GroupOptions, *, block: int = 1) -> RayRankGroup:
         """Place and start ``world_size`` ranks, ``block`` consecutive ones per node, and join them into
         one process group."""
+        backend = rank_backend(options.use_gpu, options.backend)  # before anything starts: bad input fails here
         request = PlacementRequest(world_size, options.use_gpu, options.cpus_per_rank, block)
         check_fits(request, cluster_nodes())
         placement = place(request, options.placement_timeout_s)
@@ -137,7 +146,7 @@ class RayRankGroup:
             actor_class.options(
                 num_cpus=options.cpus_per_rank,
                 num_gpus=1 if options.use_gpu else 0,
-                runtime_env={"env_vars": RANK_PROCESS_ENV},
+                runtime_env={"env_vars": {**RANK_PROCESS_ENV, **rank_env(options.use_gpu)}},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement.group, bundle),
             ).remote()
             for bundle in placement.bundle_of_rank
@@ -145,7 +154,7 @@ class RayRankGroup:
         group = cls(world_size, placement, actors, options, block)
         track_world(group)
         try:
-            group._join(options)
+            group._join(options, backend)
         except BaseException:
             group.shutdown()
             raise
@@ -186,7 +195,7 @@ class RayRankGroup:
         self.execute(use_layout, topology)
         self.topology = topology
 
-    def _join(self, options: GroupOptions) -> None:
+    def _join(self, options: GroupOptions, backend: Backend) -> None:
         address, port = self._gather("rendezvous_address", [self._actors[0].rendezvous_address.remote()], [0])[0]
         placement = self._live_placement()
         meeting = [
@@ -196,7 +205,7 @@ class RayRankGroup:
                 world_size=self._world_size,
                 master_addr=address,
                 master_port=port,
-                backend=options.backend,
+                backend=backend,
                 collective_timeout_s=options.collective_timeout_s,
             )
             for rank in range(self._world_size)
@@ -340,7 +349,7 @@ class RayRankGroup:
 
     @property
     def _poll_s(self) -> float:
-        return min(5.0, max(self._timeout_s / 4, 0.5))
+        return poll_interval_s(self._timeout_s)
 
     def _check_progress(self, function: str, started: float) -> None:
         """After the timeout, fail the call when a rank stopped answering or ranks wait in one collective too long."""

@@ -7,7 +7,8 @@ swapping) or answered but never entered that collective (stuck elsewhere: a stor
 collective on another group). A rank behind in one group while it leads another stalled one is a victim,
 not a culprit: it waits for someone too. Sub-mesh groups are named ``mesh_<axis>`` by DeviceMesh, so the
 members of a rank's group are its ranks along that axis of the layout; any other group (the world's, the
-checkpoint group) spans every rank.
+checkpoint group) spans every rank. How soon the driver reads the reports of a stuck call (its poll, the answer wait:
+:func:`diagnosis_deadline_s`) is kept here too, since a backend that ends a rank at its own timeout must wait longer.
 """
 
 from __future__ import annotations
@@ -19,6 +20,20 @@ from raymoe.rank.contract import GroupProgress, RankProgress
 from raymoe.spec.topology import Axis, Topology
 
 MESH_PREFIX = "mesh_"
+
+PROGRESS_ANSWER_S = 5.0  # how long a rank gets to answer a progress request before it counts as frozen
+
+
+def poll_interval_s(timeout_s: float) -> float:
+    """How often the driver's watchdog (``actors/group.py``) looks at a call running under ``timeout_s``."""
+    return min(5.0, max(timeout_s / 4, 0.5))
+
+
+def diagnosis_deadline_s(timeout_s: float) -> float:
+    """The latest time, after a collective began, by which the driver holds every rank's report of it: the
+    collective timeout, then at most one poll, then at most one answer wait. A backend that ends a rank's process at
+    its own timeout (NCCL's watchdog) must wait longer (``raymoe.rank.context.backend_timeout_s``)."""
+    return timeout_s + poll_interval_s(timeout_s) + PROGRESS_ANSWER_S
 
 
 @dataclass(frozen=True)

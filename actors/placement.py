@@ -1,6 +1,9 @@
 """Where ranks run: preflight against the cluster, a placement group, node-ordered ranks (SPEC RAY-1).
 
-One bundle per rank (``{"GPU": 1, "CPU": k}`` on GPU clusters, ``{"CPU": k}`` without GPUs).
+One bundle per rank (``{"GPU": 1, "CPU": k}`` on GPU clusters, ``{"CPU": k}`` without GPUs). What a rank
+gets besides its bundle follows ``use_gpu`` (:func:`rank_backend`, :func:`rank_env`): without GPUs, gloo and no
+visible GPU (Ray leaves ``CUDA_VISIBLE_DEVICES`` as the node has it for an actor of zero GPUs), with GPUs NCCL
+unless gloo is asked for.
 Ranks are numbered node by node, so the consecutive ranks of a tp group and of an ep group
 share a node and ``dp_replicate`` spans nodes (TOPO-5)::
 
@@ -15,12 +18,38 @@ from dataclasses import dataclass
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 
+from raymoe.rank.contract import Backend
 from raymoe.spec.topology import Axis, Topology
+
+VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
 
 def node_block(topology: Topology) -> int:
     """How many consecutive ranks must share a node: a tp group, or an ep group (TOPO-5)."""
     return max(topology.axis_size(Axis.TP), topology.axis_size(Axis.EP))
+
+
+def rank_backend(use_gpu: bool, backend: Backend | None) -> Backend:
+    """Pure: the backend ranks placed with ``use_gpu`` run (``backend``: the caller's choice, None: the default).
+
+    Without GPUs, gloo (NCCL there is a ValueError); with GPUs, ``backend`` or NCCL. The ranks get it explicitly,
+    never guessing from the GPUs they happen to see.
+    """
+    if use_gpu:
+        return backend if backend is not None else "nccl"
+    if backend == "nccl":
+        raise ValueError(
+            "backend='nccl' with use_gpu=False: NCCL runs on GPUs and a rank placed without one has none; "
+            "pass use_gpu=True, or backend='gloo' (or None)"
+        )
+    return "gloo"
+
+
+def rank_env(use_gpu: bool) -> dict[str, str]:
+    """Pure: environment variables a rank actor starts with: without GPUs, ``CUDA_VISIBLE_DEVICES=""`` so torch in
+    the rank sees none (set before the process starts, so before torch initialises CUDA); with GPUs none (Ray
+    shows each rank its own GPU)."""
+    return {} if use_gpu else {VISIBLE_DEVICES: ""}
 
 
 class PlacementError(RuntimeError):

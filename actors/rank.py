@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import ray
 
 from raymoe.rank.context import RankContext, join_world, leave_world
-from raymoe.rank.contract import RankFailure, RankProgress, Rendezvous
+from raymoe.rank.contract import Backend, RankFailure, RankProgress, Rendezvous
 from raymoe.rank.failure import rank_failure
 from raymoe.rank.progress import CallRecord, progress_report
 
@@ -39,6 +39,7 @@ class RankActor:
         self._ctx: RankContext | None = None
         self._call = CallRecord()
         self._rank = -1
+        self._backend: Backend | None = None  # the world's, once joined: which flight recorders progress reads
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the process-group store."""
@@ -53,8 +54,10 @@ class RankActor:
     def _setup(self, rendezvous: Rendezvous) -> None:
         self._rank = rendezvous.rank
         self._call.function, self._call.since = "join_world", time.monotonic()
+        self._backend = rendezvous.backend  # the driver resolves it (actors.placement.rank_backend)
         try:
             self._ctx = join_world(rendezvous)
+            self._backend = self._ctx.backend
         finally:
             self._call.function = None
 
@@ -71,7 +74,7 @@ class RankActor:
     @ray.method(concurrency_group=MONITOR)
     def progress(self) -> RankProgress:
         """What this rank runs now and where it stands in each process group (answered while ``run`` blocks)."""
-        return progress_report(self._rank, self._call)
+        return progress_report(self._rank, self._call, self._backend)
 
     @ray.method(concurrency_group=MONITOR)
     def process_id(self) -> tuple[str, int, str]:
@@ -85,4 +88,4 @@ class RankActor:
         try:
             return call()
         except Exception as exc:
-            return rank_failure(exc, progress_report(self._rank, self._call))
+            return rank_failure(exc, progress_report(self._rank, self._call, self._backend))

@@ -15,12 +15,21 @@ compare the ratios of one run.
 
     .venv/bin/python benchmarks/bench_generate.py [--rounds 3] [--new-tokens 32] [--batches 1 8]
 
+``--per-token`` (issue 36) instead times every step of one long in-process ``Generation`` (``--long-tokens``
+256, sampling on, eos ids and two stop sequences) and prints ms/token early (tokens 2-17: token 1 is the
+prefill) against late (the last 16), each the median over its tokens, best of ``--rounds``. A step whose work
+grows with the tokens already generated shows as a late/early ratio above 1; attention over a longer cache
+grows a little anyway.
+
+    .venv/bin/python benchmarks/bench_generate.py --per-token [--long-tokens 256] [--batches 1 8]
+
 Not run by the test suite.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,7 +39,7 @@ import torch
 
 import raymoe
 from raymoe.checkpoint import load_model
-from raymoe.models.common.generation import generate
+from raymoe.models.common.generation import Generation, SamplingConfig, StopRules, generate
 
 Generate = Callable[[torch.Tensor, int], object]
 
@@ -46,14 +55,51 @@ def measure(fn: Generate, ids: torch.Tensor, new_tokens: int) -> tuple[float, fl
     return timed(fn, ids, 1), timed(fn, ids, new_tokens)
 
 
+def step_times(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> list[float]:
+    """Seconds of each step of one generation (the first step is the prefill)."""
+    sampling = SamplingConfig(do_sample=True, temperature=0.9, top_k=40, top_p=0.95, seed=1)
+    stop = StopRules(eos_ids=(1, 2), stop_sequences=((3, 4), (5, 6, 7)), pad_id=0)  # rows keep stepping after
+    generation = Generation(model, ids, new_tokens, sampling=sampling, stop=stop)
+    times = []
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            began = time.perf_counter()
+            generation.step()
+            times.append(time.perf_counter() - began)
+    return times
+
+
+def per_token(args: argparse.Namespace) -> None:
+    """ms/token early and late in one long generation, in this process."""
+    window = 16
+    with tempfile.TemporaryDirectory() as tmp:
+        model = load_model(raymoe.build_tiny_checkpoint(Path(tmp) / "tiny")).eval()
+    print(f"prompt {args.prompt_len} tokens, {args.long_tokens} new tokens, best of {args.rounds} rounds")
+    late_first = args.long_tokens - window + 1
+    print(f"{'batch':>5}  {'ms/token 2-17':>14} {f'ms/token {late_first}-{args.long_tokens}':>18} {'late/early':>11}")
+    for batch in args.batches:
+        ids = torch.randint(8, 256, (batch, args.prompt_len), generator=torch.Generator().manual_seed(batch))
+        early, late = float("inf"), float("inf")
+        for _ in range(args.rounds):
+            times = step_times(model, ids, args.long_tokens)
+            early = min(early, statistics.median(times[1 : 1 + window]))
+            late = min(late, statistics.median(times[-window:]))
+        print(f"{batch:>5}  {early * 1e3:>14.2f} {late * 1e3:>18.2f} {late / early:>10.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--per-token", action="store_true", help="ms/token early vs late in one long generation")
+    parser.add_argument("--long-tokens", type=int, default=256)
     args = parser.parse_args()
     torch.set_num_threads(1)  # the rank actors get one CPU each; the in-process rows get the same
+    if args.per_token:
+        per_token(args)
+        return
 
     import transformers
 

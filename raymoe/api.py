@@ -29,6 +29,7 @@ def from_pretrained(
     *,
     distributed_config: DistributedConfig | dict[str, Any] | None = None,
     dtype: torch.dtype | str | None = None,
+    precision: str | None = None,
     world_size: int | None = None,
     revision: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
@@ -40,6 +41,11 @@ def from_pretrained(
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
 ) -> DistributedModel:
     """Load ``name_or_path`` (a local directory or a hub id) sharded over Ray rank actors.
+
+    ``precision`` (:mod:`raymoe.spec.precision`): ``"bf16-mixed"`` (float32 master weights, gradients and AdamW
+    states; bf16 compute; the default for a bf16 checkpoint), ``"fp32"``, ``"bf16-pure"`` (only when asked: small
+    updates are lost) or ``None``/``"auto"``: the policy of ``dtype`` (the checkpoint's by default). For inference
+    alone, ``"bf16-pure"`` holds half the bytes of ``"bf16-mixed"`` and gives the same logits.
 
     A relative directory is taken from this process's working directory and sent to the ranks as an absolute
     path (rank processes may run elsewhere: another directory, another node).
@@ -66,7 +72,13 @@ def from_pretrained(
     if world is not None:
         size = world_size if world_size is not None else world.world_size
         spec = prepare_launch(
-            name_or_path, config, world_size=size, dtype=dtype, revision=revision, cache_dir=cache_dir
+            name_or_path,
+            config,
+            world_size=size,
+            dtype=dtype,
+            revision=revision,
+            cache_dir=cache_dir,
+            precision=precision,
         )
         return DistributedModel.launch(spec, world, owns_group=False)
 
@@ -82,7 +94,13 @@ def from_pretrained(
                 "none; pass world_size= or set tp_size"
             )
     spec = prepare_launch(
-        name_or_path, config, world_size=world_size, dtype=dtype, revision=revision, cache_dir=cache_dir
+        name_or_path,
+        config,
+        world_size=world_size,
+        dtype=dtype,
+        revision=revision,
+        cache_dir=cache_dir,
+        precision=precision,
     )
     options = _group_options(
         spec.topology.world_size, use_gpu, cpus_per_rank, backend, placement_timeout_s, collective_timeout_s

@@ -25,6 +25,7 @@ from raymoe.checkpoint.reader import CheckpointReader, SafetensorsFiles
 from raymoe.checkpoint.staging import write_json
 from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE, CheckpointWriter
 from raymoe.models.common.decoder import CausalLM
+from raymoe.models.common.shard_hints import FLOAT32_ATTR, float32_modules
 from raymoe.models.registry import build_model, load_model_config
 
 
@@ -99,29 +100,37 @@ def save_model(
     *,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     tensors: Iterable[tuple[str, Tensor]] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> list[Path]:
     """Write ``config.json`` and the weights (per-expert hub tensors, sharded above ``max_shard_size`` bytes).
 
     ``tensors`` yields ``(parameter name, full tensor)`` in place of the model's own parameters,
-    one at a time (a sharded model gathers each just before it is written).
+    one at a time (a sharded model gathers each just before it is written). ``dtype``: write the floating
+    weights in it (a model holding float32 master weights saves the checkpoint's bf16), except the parameters
+    the model keeps in float32 (a router's selection bias); None: as held.
 
     All or nothing: weights and ``config.json`` are staged beside ``directory``, read back and swapped in
     whole (:mod:`raymoe.checkpoint.staging`); files of ``directory`` the save does not write (a tokenizer,
     a README) are kept. A failure raises :class:`~raymoe.checkpoint.staging.CheckpointSaveError` (an
     ``OSError``) naming the file and the cause and leaves ``directory`` as it was.
     """
+    modules = float32_modules(model)
+    kept = {f"{path}.{name}" for path, module in modules.items() for name in getattr(module, FLOAT32_ATTR)}
     with CheckpointWriter(directory, layout=model.hub_layout(), max_shard_size=max_shard_size) as writer:
         for name, tensor in tensors if tensors is not None else model.named_parameters():
+            if dtype is not None and tensor.is_floating_point() and name not in kept:
+                tensor = tensor.to(dtype)
             writer.write_parameter(name, tensor)
-        write_config(model, writer.staging)
+        write_config(model, writer.staging, dtype)
         return writer.close()
 
 
-def write_config(model: CausalLM, directory: str | os.PathLike[str]) -> Path:
-    """The ``config.json`` the model was built from, with the dtype of the weights being saved, written (and
-    flushed to disk) into ``directory``; a failure is a ``CheckpointSaveError`` naming the file and the cause."""
+def write_config(model: CausalLM, directory: str | os.PathLike[str], dtype: torch.dtype | None = None) -> Path:
+    """The ``config.json`` the model was built from, with the dtype of the weights being saved (``dtype``, or the
+    model's own), written (and flushed to disk) into ``directory``; a failure is a ``CheckpointSaveError`` naming
+    the file and the cause."""
     raw = dict(model.config.raw)
-    raw["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    raw["dtype"] = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
     raw.pop("torch_dtype", None)  # the transformers 4 spelling of "dtype"; keep one
     raw.pop("quantization_config", None)  # raymoe writes plain tensors (an MXFP4 checkpoint is saved dequantized)
     raw.setdefault("model_type", model.model_type)

@@ -40,6 +40,7 @@ from raymoe.spec.balance import DEFAULT_BIAS_UPDATE_RATE, BalanceConfig, Balance
 from raymoe.spec.launch import LaunchSpec
 from raymoe.spec.optimizer import OptimizerConfig
 from raymoe.spec.plans import ResolvedPlans
+from raymoe.spec.precision import PrecisionPolicy
 from raymoe.spec.topology import Topology
 
 
@@ -55,7 +56,7 @@ class DistributedModel:
         fanout = FanOut(lease.group, spec.topology)
         # The rooms hold the lease, never the handle: collecting the handle releases its ranks.
         self._inference = Inference(spec.config, fanout, lambda: lease.is_alive)
-        self._training = TrainingSession(spec.config, fanout)
+        self._training = TrainingSession(spec.config, fanout, load_reports[0].precision)
         self._states = TrainingStates(spec, self._training, fanout)
         self._fanout = fanout
 
@@ -102,10 +103,15 @@ class DistributedModel:
     def supports_tp_plan(self) -> bool:
         return bool(self._spec.plans.tp_plan)
 
+    @property
+    def precision(self) -> PrecisionPolicy:
+        """The precision policy the ranks hold the model in (:mod:`raymoe.spec.precision`)."""
+        return self.load_reports[0].precision
+
     def describe(self) -> str:
-        """The rank picture of this layout (SPEC TOPO-3)."""
+        """The rank picture of this layout (SPEC TOPO-3) and the precision policy."""
         num_experts = self.model_config.moe.num_experts if self.model_config.moe is not None else None
-        return self.topology.describe(num_experts=num_experts)
+        return f"{self.topology.describe(num_experts=num_experts)}\n{self.precision.describe()}"
 
     # --- inference ------------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ its summed token loss and the sums add up, whatever the layout.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import torch
@@ -29,20 +30,38 @@ from raymoe.rank.evaluate import eval_loss
 from raymoe.rank.train import configure_optimizer, train_step
 from raymoe.spec.balance import BalanceConfig, BalanceOptions
 from raymoe.spec.optimizer import OptimizerConfig, check_lr
+from raymoe.spec.precision import Precision, PrecisionPolicy
+
+
+def check_trainable(policy: PrecisionPolicy) -> None:
+    """fp16 has no loss scaling here: refused. Pure bf16 trains, with a warning that small updates are lost."""
+    if not policy.trainable:
+        raise ValueError(
+            f"configure_training: precision {policy.precision.value!r} cannot train: float16 needs dynamic loss "
+            "scaling, which raymoe does not have; load with dtype='bfloat16' (precision 'bf16-mixed') or 'float32'"
+        )
+    if policy.precision is Precision.BF16_PURE:
+        warnings.warn(
+            "configure_training: precision 'bf16-pure' holds weights and AdamW states in bf16: updates below bf16's "
+            "resolution (lr 1e-5 on a weight of ~1) are lost; 'bf16-mixed' (the default) keeps float32 masters",
+            stacklevel=3,
+        )
 
 
 class TrainingSession:
     """The training settings the ranks hold, the optimizer steps taken with them, and the routing telemetry."""
 
-    def __init__(self, config: ModelConfig, fanout: FanOut) -> None:
-        self.config, self.fanout = config, fanout
+    def __init__(self, config: ModelConfig, fanout: FanOut, precision: PrecisionPolicy) -> None:
+        self.config, self.fanout, self.precision = config, fanout, precision
         self.optimizer: OptimizerConfig | None = None  # None: no optimizer on the ranks
         self.balance = BalanceConfig()
         self.step = 0
         self._dead_experts = DeadExperts()
 
     def configure(self, optimizer: OptimizerConfig, balance: BalanceOptions) -> None:
-        """A fresh AdamW and load-balancing settings on every rank; the step count starts at 0."""
+        """A fresh AdamW and load-balancing settings on every rank; the step count starts at 0. Refused for a
+        policy that cannot train (fp16: no loss scaling); a warning for pure bf16."""
+        check_trainable(self.precision)
         settings = self._pipeline_balance(balance.resolve(self.config))
         self.fanout.every_rank(configure_optimizer, optimizer, settings)
         self.restore(optimizer, settings, step=0)

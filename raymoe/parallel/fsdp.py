@@ -3,6 +3,8 @@
 Applied after the TP and EP rules (torchtitan's order: TP/EP -> FSDP2), with
 ``torch.distributed.fsdp.fully_shard``::
 
+    float32 modules   fully_shard over (dp_replicate, fsdp)    routers holding a float32 selection bias: their
+                                                               own unit, computing in float32 (raymoe.spec.precision)
     experts (EP on)   fully_shard over (dp_replicate, efsdp)   params: Shard(0) over ep, then over efsdp
     fsdp_plan rules   fully_shard over (dp_replicate, fsdp)    dense params, 2-D with TP DTensors;
                                                                one unit per rule, except that the single
@@ -21,11 +23,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from weakref import WeakKeyDictionary
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
 RESHARD_AFTER_FORWARD = {"free_full_weight": True, "keep_full_weight": False}
 
@@ -43,13 +49,19 @@ class FsdpUnits:
     expert_mesh: DeviceMesh
     expert_modules: Sequence[str]
     fsdp_rules: Mapping[str, str]
-    mixed_precision: bool = False
+    float32_modules: Sequence[str] = ()
+    compute_dtype: torch.dtype | None = None
     cpu_offload: bool = False
 
 
 def apply_fsdp(model: nn.Module, units: FsdpUnits, device: torch.device) -> None:
-    """Wrap ``model`` (TP/EP rules already applied, still on meta) in FSDP2 units."""
-    mp_policy, offload_policy = mixed_precision(units.mixed_precision), offload(units.cpu_offload, device)
+    """Wrap ``model`` (TP/EP rules already applied, still on meta) in FSDP2 units.
+
+    ``compute_dtype`` (a mixed precision policy, :mod:`raymoe.spec.precision`): parameters are gathered in it for
+    forward and backward, gradients reduced in float32 into the master dtype the parameters are held in. The
+    ``float32_modules`` (routers with a float32 selection bias) are units of their own that compute in float32.
+    """
+    mp_policy, offload_policy = mixed_precision(units.compute_dtype), offload(units.cpu_offload, device)
 
     def shard(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True) -> None:
         fully_shard(
@@ -61,6 +73,14 @@ def apply_fsdp(model: nn.Module, units: FsdpUnits, device: torch.device) -> None
         )
 
     dense_mesh = units.dense_mesh
+    for path in units.float32_modules:
+        fully_shard(
+            model.get_submodule(path),
+            mesh=dense_mesh,
+            # inputs stay in the compute dtype: the router casts what it needs itself, as without FSDP
+            mp_policy=MixedPrecisionPolicy(torch.float32, torch.float32, cast_forward_inputs=False),
+            offload_policy=offload_policy,
+        )
     for path in units.expert_modules:
         shard(model.get_submodule(path), units.expert_mesh)
     rules = dict(units.fsdp_rules)
@@ -85,10 +105,10 @@ def apply_fsdp(model: nn.Module, units: FsdpUnits, device: torch.device) -> None
             module.set_force_sum_reduction_for_comms(True)
 
 
-def mixed_precision(enabled: bool) -> MixedPrecisionPolicy:
-    """``fsdp_mixed_precision``: bf16 parameters in forward/backward, fp32 gradient reduction."""
-    if enabled:
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+def mixed_precision(compute_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+    """Parameters cast to ``compute_dtype`` for forward/backward, gradients reduced in float32 (None: as held)."""
+    if compute_dtype is not None:
+        return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 
 
@@ -127,3 +147,46 @@ def reshard(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def keep_unsharded(model: nn.Module) -> None:
+    """Gather every FSDP unit of ``model`` now and keep its full weights through every later forward.
+
+    For decoding: one all-gather per unit for a whole generation instead of one per unit and token (FSDP2
+    reshards after each forward by default). The full model then stays on the device until
+    :func:`release_unsharded`, which reshards it and gives each unit back its own reshard-after-forward
+    setting. A second call before the release does nothing.
+    """
+    if model in _KEPT:
+        return
+    if isinstance(model, FSDPModule):
+        # The root decides its own setting at its first forward; decide it now, so the one restored is final.
+        model._get_fsdp_state()._lazy_init()
+    kept: list[_KeptUnit] = []
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        if any(state is other for other, _, _ in kept):  # one unit over several modules (the norm and head)
+            continue
+        groups = [(group, group.post_forward_mesh_info) for group in state._fsdp_param_groups]
+        kept.append((state, state._auto_reshard_after_forward, groups))
+        module.set_reshard_after_forward(False, recurse=False)
+        module.unshard()
+    _KEPT[model] = kept
+
+
+def release_unsharded(model: nn.Module) -> None:
+    """End :func:`keep_unsharded`: every unit's reshard-after-forward setting as before, every unit resharded.
+    Nothing to end: only the reshard."""
+    for state, auto, groups in _KEPT.pop(model, []):
+        state._auto_reshard_after_forward = auto
+        for group, post_forward in groups:
+            group.post_forward_mesh_info = post_forward
+    reshard(model)
+
+
+# A unit keep_unsharded holds gathered: its state, and its own settings (the root's automatic choice; the
+# mesh each parameter group reshards to after forward, None: it keeps the full weights).
+_KeptUnit = tuple[FSDPState, bool | None, list[tuple[FSDPParamGroup, FSDPMeshInfo | None]]]
+_KEPT: WeakKeyDictionary[nn.Module, list[_KeptUnit]] = WeakKeyDictionary()

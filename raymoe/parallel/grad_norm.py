@@ -23,7 +23,8 @@ def grad_norm(
     Squares of the local shards are summed with plain tensor ops per layout (mesh, placements);
     each layout's sum is then reduced once, over the mesh axes its gradients are sharded on
     (a sharded axis holds different pieces, a replicated one the same piece). ``across`` (the
-    pipeline group; tensors on ``device``) holds the other parameters of the model: its ranks' sums add up.
+    pipeline group) holds the other parameters of the model: its ranks' sums add up. The norm stays on
+    ``device`` (a float32 0-d tensor): nothing here waits for the device.
     """
     # (mesh, placements) of a DTensor gradient; None for plain tensors, which every rank holds whole
     locals_by_layout: dict[tuple[DeviceMesh, tuple[Placement, ...]] | None, list[Tensor]] = {}
@@ -34,26 +35,25 @@ def grad_norm(
             locals_by_layout.setdefault((grad.device_mesh, grad.placements), []).append(grad.to_local())
         else:
             locals_by_layout.setdefault(None, []).append(grad)
-    total = torch.zeros((), dtype=torch.float32)
+    total = torch.zeros((), dtype=torch.float32, device=device)
     for layout, local_grads in locals_by_layout.items():
         square = torch.stack(torch._foreach_norm(local_grads, 2, dtype=torch.float32)).pow(2).sum()
         if layout is not None:
             mesh, placements = layout
             summed_over = [Replicate() if p.is_replicate() else Partial() for p in placements]
             square = DTensor.from_local(square, mesh, summed_over, run_check=False).full_tensor()
-        total = total + square.cpu()
+        total = total + square
     if across is not None:
-        summed = total.to(device)
-        dist.all_reduce(summed, group=across)
-        total = summed.cpu()
+        dist.all_reduce(total, group=across)
     return total.sqrt()
 
 
 def clip_grads(params: list[nn.Parameter], norm: Tensor, max_norm: float) -> None:
-    """Scale every gradient by ``max_norm / norm`` when that is below one (``norm`` from :func:`grad_norm`)."""
-    scale = max_norm / (float(norm) + 1e-6)
-    if scale < 1.0:
-        for param in params:
-            grad = param.grad
-            assert grad is not None
-            grad.mul_(scale)
+    """Scale every gradient by ``min(1, max_norm / norm)`` (``norm`` from :func:`grad_norm`), on the device: the
+    host never reads the norm. Scaling is elementwise, so each rank scales its local shards."""
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for param in params:
+        grad = param.grad
+        assert grad is not None
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        local.mul_(scale if local.device == scale.device else scale.to(local.device))  # offloaded: on the host

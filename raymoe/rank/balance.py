@@ -98,16 +98,17 @@ def collect_routing(model: nn.Module, token_mask_T: Tensor, *, with_grad: bool) 
 def aux_loss(routing: Routing, ctx: RankContext, *, per_layer: bool) -> Tensor:
     """This rank's share of the global batch's aux loss (differentiable through its router probabilities)."""
     stats = sum_over_batches(torch.cat([routing.counts_LE.reshape(-1), routing.tokens[None]]), ctx)
-    counts_LE = stats[:-1].view_as(routing.counts_LE).float().to(routing.prob_sum_LE.device)
-    tokens = stats[-1].float().to(routing.prob_sum_LE.device)
+    counts_LE = stats[:-1].view_as(routing.counts_LE).float()
+    tokens = stats[-1].float()
     return aux_loss_share(routing.prob_sum_LE, counts_LE, tokens, per_layer=per_layer)
 
 
 def sum_over_batches(stats: Tensor, ctx: RankContext) -> Tensor:
-    """``stats`` summed over the distinct batches (all ranks, each tp group counted once); no gradient."""
-    total = stats.detach().to(ctx.device).clone()
+    """``stats`` (on the rank's device) summed over the distinct batches (all ranks, each tp group counted once);
+    no gradient, on the device."""
+    total = stats.detach().clone()
     dist.all_reduce(total)
-    return (total / ctx.topology.axis_size(Axis.TP)).cpu()
+    return total / ctx.topology.axis_size(Axis.TP)
 
 
 def update_selection_bias(model: nn.Module, global_load_LE: Tensor, rate: float) -> None:
@@ -124,10 +125,12 @@ def update_selection_bias(model: nn.Module, global_load_LE: Tensor, rate: float)
 
 
 def _add_everywhere(param: Tensor, delta: Tensor) -> None:
-    """Add the full ``delta`` to ``param``, whose local storage may be a shard (FSDP2 DTensor)."""
+    """Add the full ``delta`` (on the rank's device) to ``param``, whose local storage may be a shard (FSDP2
+    DTensor) and may live on the host (``fsdp_cpu_offload``): the shard of ``delta`` is cut on the mesh's device
+    (no communication) and added where the shard lives."""
     if isinstance(param, DTensor):
         local = param.to_local()
-        full = delta.to(device=local.device, dtype=local.dtype)
-        local.add_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local())
+        piece = distribute_tensor(delta, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        local.add_(piece.to(device=local.device, dtype=local.dtype))
     else:
         param.add_(delta.to(device=param.device, dtype=param.dtype))

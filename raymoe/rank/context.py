@@ -10,11 +10,19 @@ Two meshes over the same ranks, named as in :mod:`raymoe.spec.topology`::
 
     dense  (dp_replicate, pp, fsdp,  tp)     ctx.mesh("tp"), ctx.mesh("fsdp"), ctx.mesh("dp_replicate"), ctx.mesh("pp")
     expert (dp_replicate, pp, efsdp, ep)     ctx.mesh("ep"), ctx.mesh("efsdp")
+
+Device binding (:func:`choose_binding`, pure): gloo runs on the CPU; NCCL binds the one GPU this process sees and
+refuses any other count. A rank placed without a GPU has its GPUs hidden by the driver (``actors/placement.py``), so
+it never sees one. Every mesh dimension gets a process-group options object of its own
+(:func:`mesh_backend_overrides`): torch writes each group's ranks, name and split source into the options it is
+given. NCCL's groups wait :data:`NCCL_TIMEOUT_MARGIN_S` beyond the driver's collective timeout
+(:func:`backend_timeout_s`), so the driver's hang diagnosis reads every rank before NCCL's watchdog ends the process.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -31,6 +39,7 @@ from raymoe.rank.progress import FLIGHT_RECORDER_ENTRIES
 from raymoe.spec.balance import BalanceConfig
 from raymoe.spec.launch import LaunchSpec
 from raymoe.spec.optimizer import OptimizerConfig
+from raymoe.spec.precision import PrecisionPolicy
 from raymoe.spec.topology import DENSE_AXES, EXPERT_AXES, Axis, RankCoords, Topology
 
 if TYPE_CHECKING:
@@ -40,12 +49,20 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class RankLayout:
-    """This rank under one resolved layout: its coordinates and the two meshes of that layout."""
+    """This rank under one resolved layout: its coordinates and the two meshes of that layout (and the sub-meshes
+    cut from them, kept: cutting one reads the mesh's rank table on the host, each time)."""
 
     topology: Topology
     coords: RankCoords
     dense_mesh: DeviceMesh
     expert_mesh: DeviceMesh
+    sub_meshes: dict[tuple[str, ...], DeviceMesh] = field(default_factory=dict, compare=False)
+
+    def sub_mesh(self, parent: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh:
+        key = (("dense",) if parent is self.dense_mesh else ("expert",)) + axes
+        if key not in self.sub_meshes:
+            self.sub_meshes[key] = parent[axes[0]] if len(axes) == 1 else parent[axes]
+        return self.sub_meshes[key]
 
 
 @dataclass
@@ -67,6 +84,7 @@ class LoadedModel:
 
     runner: StageRunner
     spec: LaunchSpec
+    precision: PrecisionPolicy
     training: Training | None = None
     generation: Generation | None = None  # a stream in progress (raymoe.rank.infer)
     pending_save: PendingSave | None = None  # an asynchronous save_state still writing (raymoe.rank.state)
@@ -102,8 +120,9 @@ class RankContext:
     rank: int
     world_size: int
     device: torch.device
-    backend: str
-    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # of the world group and of every sub-mesh group
+    backend: Backend
+    # the driver's; every group's timeout is backend_timeout_s of it (NCCL's with NCCL_TIMEOUT_MARGIN_S)
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
     layout: RankLayout | None = None
     loaded: LoadedModel | None = None
     _checkpoint_group: dist.ProcessGroup | None = field(default=None, repr=False)
@@ -147,14 +166,15 @@ class RankContext:
         """The 1-D sub-mesh of ``axis`` that contains this rank."""
         axis = Axis(axis)
         parent = self.dense_mesh if axis in DENSE_AXES else self.expert_mesh
-        return parent[axis.value]
+        return self._require_layout().sub_mesh(parent, (axis.value,))
 
     def data_parallel_mesh(self, shard_axis: Axis) -> DeviceMesh:
         """FSDP2's mesh for ``shard_axis`` (fsdp or efsdp): with ``dp_replicate`` in front for HSDP."""
         parent = self.dense_mesh if shard_axis == Axis.FSDP else self.expert_mesh
+        layout = self._require_layout()
         if self.topology.axis_size(Axis.DP_REPLICATE) > 1:
-            return parent[(Axis.DP_REPLICATE.value, shard_axis.value)]
-        return parent[shard_axis.value]
+            return layout.sub_mesh(parent, (Axis.DP_REPLICATE.value, shard_axis.value))
+        return layout.sub_mesh(parent, (shard_axis.value,))
 
     @property
     def answers_for_batch(self) -> bool:
@@ -177,14 +197,60 @@ class RankContext:
         return self._checkpoint_group
 
 
-def default_backend() -> Backend:
-    """NCCL where this process sees a GPU, gloo otherwise."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"  # the GPUs this process may use; Ray sets it to a rank's own GPU
+
+# NCCL's watchdog ends the process once a collective outlives its group's timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING's
+# default), which the driver would only see as "actor died". The driver names a hung collective's culprits within
+# actors.hang.diagnosis_deadline_s(collective_timeout_s) (the timeout, one poll, one answer wait: <= timeout + 10 s);
+# NCCL's groups wait this long beyond the collective timeout, so the diagnosis comes first.
+NCCL_TIMEOUT_MARGIN_S = 60.0
+
+
+@dataclass(frozen=True)
+class DeviceBinding:
+    """The backend of a rank's process groups and the device its tensors live on."""
+
+    backend: Backend
+    device: torch.device
+
+
+def choose_binding(rank: int, backend: Backend | None, visible_devices: str | None, device_count: int) -> DeviceBinding:
+    """Pure: the binding of ``rank`` asked for ``backend`` (None: NCCL when this process sees a GPU, else gloo), given
+    ``visible_devices`` (the process's ``CUDA_VISIBLE_DEVICES``, None when unset) and ``device_count``
+    (``torch.cuda.device_count()``).
+
+    gloo -> the CPU. NCCL -> ``cuda:0``, the one GPU of this process; any other count is a RuntimeError naming the
+    rank, ``CUDA_VISIBLE_DEVICES`` and the count, since binding ``cuda:0`` there would put several ranks on one GPU
+    (or none on a GPU at all).
+    """
+    chosen: Backend = backend if backend is not None else ("nccl" if device_count > 0 else "gloo")
+    if chosen == "gloo":
+        return DeviceBinding("gloo", torch.device("cpu"))
+    if device_count != 1:
+        shown = "unset" if visible_devices is None else repr(visible_devices)
+        raise RuntimeError(
+            f"rank {rank}: backend 'nccl' needs exactly one visible GPU per rank, this process sees {device_count} "
+            f"(torch.cuda.device_count() = {device_count}, {VISIBLE_DEVICES} {shown}); place ranks with use_gpu=True "
+            f"(Ray then shows each its own GPU; do not set RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES), or use "
+            "backend='gloo'"
+        )
+    return DeviceBinding("nccl", torch.device("cuda", 0))
+
+
+def backend_timeout_s(backend: Backend, collective_timeout_s: float) -> float:
+    """The process-group timeout of ``backend`` for the driver's ``collective_timeout_s``, in seconds.
+
+    gloo raises in the rank at the timeout and the rank reports where it waited, so its groups keep
+    ``collective_timeout_s``; NCCL's watchdog ends the process instead, so its groups wait
+    :data:`NCCL_TIMEOUT_MARGIN_S` longer and the driver's hang diagnosis comes first.
+    """
+    return collective_timeout_s + NCCL_TIMEOUT_MARGIN_S if backend == "nccl" else collective_timeout_s
 
 
 def join_world(rendezvous: Rendezvous) -> RankContext:
     """Set the torch.distributed environment, bind the device and init the process group."""
-    # torch's flight recorder: the collectives each group entered and finished, read by raymoe.rank.progress
+    # torch's flight recorders (the generic one and NCCL's): the collectives each group entered and finished, read
+    # by raymoe.rank.progress
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)
     os.environ.update(
         RANK=str(rendezvous.rank),
@@ -193,16 +259,21 @@ def join_world(rendezvous: Rendezvous) -> RankContext:
         MASTER_ADDR=rendezvous.master_addr,
         MASTER_PORT=str(rendezvous.master_port),
     )
-    backend = rendezvous.backend or default_backend()
-    device = _bind_device(backend)
+    binding = choose_binding(
+        rendezvous.rank, rendezvous.backend, os.environ.get(VISIBLE_DEVICES), torch.cuda.device_count()
+    )
+    if binding.device.type == "cuda":
+        torch.cuda.set_device(binding.device)
     dist.init_process_group(
-        backend=backend,
+        backend=binding.backend,
         rank=rendezvous.rank,
         world_size=rendezvous.world_size,
-        timeout=timedelta(seconds=rendezvous.collective_timeout_s),
-        device_id=device if device.type == "cuda" else None,
+        timeout=timedelta(seconds=backend_timeout_s(binding.backend, rendezvous.collective_timeout_s)),
+        device_id=binding.device if binding.device.type == "cuda" else None,
     )
-    return RankContext(rendezvous.rank, rendezvous.world_size, device, backend, rendezvous.collective_timeout_s)
+    return RankContext(
+        rendezvous.rank, rendezvous.world_size, binding.device, binding.backend, rendezvous.collective_timeout_s
+    )
 
 
 def use_layout(ctx: RankContext, topology: Topology) -> None:
@@ -211,42 +282,55 @@ def use_layout(ctx: RankContext, topology: Topology) -> None:
     ctx.use_layout(topology)
 
 
-def _bind_device(backend: str) -> torch.device:
-    if backend != "nccl":
-        return torch.device("cpu")
-    # Ray exposes only this actor's GPU through CUDA_VISIBLE_DEVICES, so it is always index 0.
-    torch.cuda.set_device(0)
-    return torch.device("cuda", 0)
-
-
-def build_meshes(topology: Topology, device_type: str, backend: str, timeout_s: float) -> tuple[DeviceMesh, DeviceMesh]:
+def build_meshes(
+    topology: Topology, device_type: str, backend: Backend, timeout_s: float
+) -> tuple[DeviceMesh, DeviceMesh]:
     """The dense and expert DeviceMeshes; every rank must call this (it creates process groups).
 
-    Every sub-mesh group (tp, fsdp, ep, efsdp, dp_replicate) gets the world's collective timeout: left to
-    torch, they would wait 30 minutes in a collective a rank never reaches.
+    Every sub-mesh group (tp, fsdp, ep, efsdp, dp_replicate) gets the world's collective timeout (NCCL's with its
+    margin, :func:`backend_timeout_s`): left to torch, they would wait 30 minutes in a collective a rank never reaches.
     """
     ranks = torch.arange(topology.world_size)
-    override = _backend_with_timeout(backend, timeout_s)
     dense = DeviceMesh(
         device_type,
         ranks.reshape(topology.mesh_shape(DENSE_AXES)),
         mesh_dim_names=tuple(axis.value for axis in DENSE_AXES),
-        backend_override=(override,) * len(DENSE_AXES),
+        backend_override=mesh_backend_overrides(backend, len(DENSE_AXES), timeout_s),
     )
     expert = DeviceMesh(
         device_type,
         ranks.reshape(topology.mesh_shape(EXPERT_AXES)),
         mesh_dim_names=tuple(axis.value for axis in EXPERT_AXES),
-        backend_override=(override,) * len(EXPERT_AXES),
+        backend_override=mesh_backend_overrides(backend, len(EXPERT_AXES), timeout_s),
     )
     return dense, expert
 
 
-def _backend_with_timeout(backend: str, timeout_s: float) -> tuple[str, Any]:
-    """``(backend, options)`` for a mesh dim: the backend's process-group options carrying ``timeout_s``."""
-    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    options._timeout = timedelta(seconds=timeout_s)
-    return backend, options
+def mesh_backend_overrides(
+    backend: Backend, dims: int, collective_timeout_s: float, new_options: Callable[[], Any] | None = None
+) -> tuple[tuple[str, Any], ...]:
+    """One ``(backend, options)`` per mesh dimension, each options object made afresh by ``new_options`` (default:
+    the backend's options type) and carrying :func:`backend_timeout_s`.
+
+    Never one object for several dimensions: torch writes each new group's ranks, name and (under NCCL) split source
+    and colour into the options it is given (``_new_process_group_helper``, ``split_group``) and the group keeps a
+    reference to them. gloo reads only ``_timeout`` (DeviceMesh passes it on; without an options object its groups
+    would get torch's 30-minute default).
+    """
+    make = new_options if new_options is not None else _options_type(backend)
+    timeout = timedelta(seconds=backend_timeout_s(backend, collective_timeout_s))
+    overrides = []
+    for _ in range(dims):
+        options = make()
+        options._timeout = timeout
+        overrides.append((backend, options))
+    return tuple(overrides)
+
+
+def _options_type(backend: Backend) -> Callable[[], Any]:
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL.Options
+    return dist.ProcessGroupGloo._Options  # type: ignore[attr-defined,no-any-return]
 
 
 def group_timeout_s(group: dist.ProcessGroup, device: torch.device) -> float:

@@ -24,6 +24,7 @@ from typing import Any, Literal
 from torch import Tensor
 
 from raymoe.models.common.generation import SamplingConfig, StopRules
+from raymoe.spec.precision import PrecisionPolicy
 
 Backend = Literal["nccl", "gloo"]
 
@@ -84,11 +85,13 @@ class DecodeRequest:
 
 @dataclass(frozen=True)
 class LoadReport:
-    """What one rank read: bytes requested from the checkpoint, and the bytes of its local parameters."""
+    """What one rank read: bytes requested from the checkpoint, the bytes of its local parameters, and the
+    precision policy it resolved from the checkpoint's dtype (the same on every rank)."""
 
     rank: int
     bytes_read: int
     bytes_held: int
+    precision: PrecisionPolicy
 
 
 @dataclass(frozen=True)

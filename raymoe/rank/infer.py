@@ -5,6 +5,11 @@ with different rows still share collectives at every forward (FSDP gathers, expe
 so under data or expert parallelism they take the same number of steps: a rank whose rows all
 finished keeps stepping (writing pad ids) until the request's last step. A stream keeps its
 :class:`~raymoe.models.common.generation.Generation` in ``ctx.loaded.generation`` between calls.
+
+A generation (and a stream, from its start to its end) gathers each FSDP unit once and keeps the full
+weights through every step (``raymoe.parallel.fsdp.keep_unsharded``), then reshards. The host waits for the
+device once per decoded token at most: the ``done`` check of :func:`generate_tokens` (none where ranks step
+together), the token :func:`stream_step` answers; the answer itself is one copy to the host.
 """
 
 from __future__ import annotations
@@ -14,8 +19,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from raymoe.models.common.decoder import CausalLM
-from raymoe.models.common.generation import Generation
-from raymoe.parallel.fsdp import reshard
+from raymoe.models.common.generation import Generation, to_device
+from raymoe.parallel.fsdp import keep_unsharded, release_unsharded, reshard
 from raymoe.rank.context import RankContext
 from raymoe.rank.contract import DecodeRequest
 from raymoe.spec.topology import Axis
@@ -70,22 +75,28 @@ def generate_tokens(
     """
     generation = _start(ctx, input_ids_BS, attention_mask_BS, row_ids, request)
     in_step = _in_step(ctx)
-    while generation.steps < request.max_new_tokens:
-        generation.step()
-        if not in_step and generation.done:
-            break
-    for part in ctx.require_model().parts:
-        reshard(part)
+    try:
+        while generation.steps < request.max_new_tokens:
+            generation.step()
+            if not in_step and generation.done:
+                break
+    finally:
+        _release(ctx)
     if not ctx.answers_for_batch:
         return None
-    return generation.result().cpu(), generation.lengths_B.cpu()
+    tokens_BL = generation.result()
+    host = torch.cat([tokens_BL, generation.lengths_B[:, None].to(tokens_BL.dtype)], dim=1).cpu()  # one copy
+    return host[:, :-1].contiguous(), host[:, -1].to(torch.int64)
 
 
 def start_stream(
     ctx: RankContext, input_ids_BS: Tensor, attention_mask_BS: Tensor | None, row_ids: Tensor, request: DecodeRequest
 ) -> None:
     """Keep a generation of this rank's rows for :func:`stream_step` (replacing an unfinished one)."""
-    ctx.require_model().generation = _start(ctx, input_ids_BS, attention_mask_BS, row_ids, request)
+    loaded = ctx.require_model()
+    loaded.generation = None
+    _release(ctx)
+    loaded.generation = _start(ctx, input_ids_BS, attention_mask_BS, row_ids, request)
 
 
 @torch.no_grad()
@@ -95,32 +106,45 @@ def stream_step(ctx: RankContext) -> tuple[Tensor, Tensor] | None:
     if loaded.generation is None:
         raise RuntimeError("stream_step without start_stream: no generation on this rank")
     next_B = loaded.generation.step()
-    return (next_B.cpu(), loaded.generation.finished_B.cpu()) if ctx.answers_for_batch else None
+    if not ctx.answers_for_batch:
+        return None
+    host = torch.stack([next_B, loaded.generation.finished_B.to(next_B.dtype)]).cpu()  # the step's one sync
+    return host[0], host[1].bool()
 
 
 def end_stream(ctx: RankContext) -> None:
     """Drop the kept generation and its KV cache."""
-    loaded = ctx.require_model()
-    loaded.generation = None
-    for part in loaded.parts:
-        reshard(part)
+    ctx.require_model().generation = None
+    _release(ctx)
 
 
 def _start(
     ctx: RankContext, input_ids_BS: Tensor, attention_mask_BS: Tensor | None, row_ids: Tensor, request: DecodeRequest
 ) -> Generation:
+    """A generation of this rank's rows, every FSDP unit gathered until :func:`_release`."""
     loaded = ctx.require_model()
-    for part in loaded.parts:
-        part.eval()
-    return Generation(
-        loaded.runner.decoder(ctx),
-        input_ids_BS.to(ctx.device),
-        request.max_new_tokens,
-        attention_mask_BS=attention_mask_BS.to(ctx.device) if attention_mask_BS is not None else None,
-        sampling=request.sampling,
-        stop=request.stop,
-        row_ids=row_ids.tolist(),
-    )
+    try:
+        for part in loaded.parts:
+            part.eval()
+            keep_unsharded(part)
+        return Generation(
+            loaded.runner.decoder(ctx),
+            to_device(input_ids_BS, ctx.device),
+            request.max_new_tokens,
+            attention_mask_BS=to_device(attention_mask_BS, ctx.device) if attention_mask_BS is not None else None,
+            sampling=request.sampling,
+            stop=request.stop,
+            row_ids=row_ids.tolist(),  # a host tensor: no device to wait for
+        )
+    except BaseException:
+        _release(ctx)
+        raise
+
+
+def _release(ctx: RankContext) -> None:
+    """Every part resharded, each FSDP unit back to its own reshard-after-forward setting."""
+    for part in ctx.require_model().parts:
+        release_unsharded(part)
 
 
 def _in_step(ctx: RankContext) -> bool:

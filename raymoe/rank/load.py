@@ -1,6 +1,6 @@
 """Sharded loading on a rank: build on meta, apply the plans, read only this rank's slices (SPEC RAY-3).
 
-    meta model (checkpoint dtype) --TP rules (tp mesh)--> --EP rules (ep mesh)--> --FSDP2-->
+    meta model (the precision policy's master dtype) --TP rules (tp mesh)--> --EP rules (ep mesh)--> --FSDP2-->
         parameters are DTensors on meta whose placements say which slice of each tensor this rank keeps
     --to_empty--> local storage on the rank's device
     --for each parameter--> reader.read(name, block) for the blocks of its slice, copied into place
@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from raymoe.checkpoint.model_io import open_checkpoint
 from raymoe.checkpoint.reader import CheckpointReader
 from raymoe.models.common.decoder import CausalLM
+from raymoe.models.common.shard_hints import FLOAT32_ATTR, float32_modules
 from raymoe.parallel.activation_checkpoint import apply_activation_checkpointing
 from raymoe.parallel.apply import apply_rules
 from raymoe.parallel.fsdp import FsdpUnits, apply_fsdp
@@ -35,6 +36,7 @@ from raymoe.rank.runner import StageRunner, WholeModel
 from raymoe.spec.config import DistributedConfig
 from raymoe.spec.launch import LaunchSpec
 from raymoe.spec.plans import ResolvedPlans
+from raymoe.spec.precision import PrecisionPolicy, resolve_policy
 from raymoe.spec.topology import Axis
 
 
@@ -50,15 +52,25 @@ def load_shards(ctx: RankContext, spec: LaunchSpec) -> LoadReport:
     runner, pieces = _on_meta(spec, ctx, model)
     with open_checkpoint(spec.source, model, revision=spec.revision, cache_dir=spec.cache_dir) as reader:
         reader.check({name: param.shape for name, param in model.named_parameters()}, model_name=type(model).__name__)
-        dtype = spec.torch_dtype or reader.dtype("model.embed_tokens.weight")
+        policy = resolve_policy(spec.precision, spec.torch_dtype, reader.dtype("model.embed_tokens.weight"))
         bytes_read = 0
         for part, plans in pieces:
-            part.to(dtype)
-            shard_on_meta(part, spec, ctx, plans)
+            hold_in(part, policy)
+            shard_on_meta(part, spec, ctx, plans, policy)
             part.to_empty(device=ctx.device)
+            part.tie_weights()  # to_empty gives every parameter new storage, a tied head its own copy
             bytes_read += _read_shards(part, reader)
-    ctx.loaded = LoadedModel(runner, spec)
-    return LoadReport(ctx.rank, bytes_read, sum(_bytes_held(part) for part in runner.parts))
+    ctx.loaded = LoadedModel(runner, spec, policy)
+    return LoadReport(ctx.rank, bytes_read, sum(_bytes_held(part) for part in runner.parts), policy)
+
+
+def hold_in(model: CausalLM, policy: PrecisionPolicy) -> None:
+    """Give ``model``'s parameters (still on meta) the policy's master dtype, except those the model keeps in
+    float32 (:data:`~raymoe.models.common.shard_hints.FLOAT32_ATTR`: a router's selection bias)."""
+    model.to(policy.master)
+    for module in float32_modules(model).values():
+        for name in getattr(module, FLOAT32_ATTR):
+            getattr(module, name).data = getattr(module, name).data.float()
 
 
 def _on_meta(
@@ -89,32 +101,41 @@ def unload_model(ctx: RankContext) -> None:
     ctx.loaded = None
 
 
-def shard_on_meta(model: CausalLM, spec: LaunchSpec, ctx: RankContext, plans: ResolvedPlans | None = None) -> None:
+def shard_on_meta(
+    model: CausalLM,
+    spec: LaunchSpec,
+    ctx: RankContext,
+    plans: ResolvedPlans | None = None,
+    policy: PrecisionPolicy | None = None,
+) -> None:
     """TP rules, then EP rules, activation checkpointing, then FSDP2, on the model (or a pipeline stage's part of
-    it, with ``plans`` restricted to that part) while it is still on meta."""
+    it, with ``plans`` restricted to that part) while it is still on meta; ``policy`` (default: the model's
+    dtypes as they are, computed as held) gives FSDP2 its compute and reduction dtypes."""
     plans, config = plans if plans is not None else spec.plans, spec.topology.config
     if plans.tp_rules:
         apply_rules(model, plans.tp_rules, ctx.mesh(Axis.TP), plans.styles)
     if plans.ep_rules:
         apply_rules(model, plans.ep_rules, ctx.mesh(Axis.EP), ep_styles(plans.styles, ctx))
     apply_activation_checkpointing(model, config.activation_checkpointing)  # before FSDP2, as its units wrap layers
-    if uses_fsdp(config):
+    if uses_fsdp(config, policy):
         units = FsdpUnits(
             dense_mesh=ctx.data_parallel_mesh(Axis.FSDP),
             expert_mesh=ctx.data_parallel_mesh(Axis.EFSDP),
             expert_modules=plans.expert_modules if plans.ep_rules else (),
             # The fsdp_plan applies only with data parallelism; without it the root unit still carries the policies.
             fsdp_rules=plans.fsdp_rules if config.dp_size > 1 else {},
-            mixed_precision=config.fsdp_mixed_precision,
+            float32_modules=tuple(float32_modules(model)),
+            compute_dtype=policy.compute if policy is not None and policy.mixed else None,
             cpu_offload=config.fsdp_cpu_offload,
         )
         apply_fsdp(model, units, ctx.device)
 
 
-def uses_fsdp(config: DistributedConfig) -> bool:
+def uses_fsdp(config: DistributedConfig, policy: PrecisionPolicy | None = None) -> bool:
     """FSDP2 wraps the model when there is data parallelism, expert parallelism (experts are always
-    wrapped) or an FSDP option that only FSDP can honour (mixed precision, CPU offload)."""
-    return config.dp_size > 1 or (config.ep_size or 1) > 1 or config.fsdp_mixed_precision or config.fsdp_cpu_offload
+    wrapped) or something only FSDP honours: a mixed precision policy (its compute casts), CPU offload."""
+    mixed = policy is not None and policy.mixed
+    return config.dp_size > 1 or (config.ep_size or 1) > 1 or mixed or config.fsdp_cpu_offload
 
 
 def ep_styles(styles: Mapping[str, ParallelStyle], ctx: RankContext) -> dict[str, ParallelStyle]:

@@ -33,6 +33,7 @@ from raymoe.models.common.loss import causal_lm_loss
 from raymoe.parallel.vocab_parallel import vocab_parallel_loss, whole
 from raymoe.rank.contract import MicroBatch
 from raymoe.rank.runner import Backward, PartCall
+from raymoe.rank.transfer import to_device
 from raymoe.spec.pipeline import StagePlan
 from raymoe.spec.topology import Axis
 
@@ -115,29 +116,29 @@ class PipelineStages:
     ) -> Backward:
         """Each micro-batch through the schedule, cut into ``pp_microbatches`` pieces. Routing is not recorded (the
         driver refuses the aux loss and bias balancing with pp_size > 1)."""
-        done = Backward(torch.zeros((), dtype=torch.float32))
+        done = Backward(torch.zeros((), dtype=torch.float32, device=ctx.device))
         for micro in micro_batches:
             done.loss_sum += self._micro_batch(ctx, micro, global_tokens)
         return done
 
     def _micro_batch(self, ctx: RankContext, micro: MicroBatch, global_tokens: int) -> Tensor:
         """Forward and backward of one micro-batch through the schedule; the summed token loss on ranks of the last
-        stage, 0 elsewhere."""
+        stage, 0 elsewhere (on the device)."""
         documents = micro.document_ids
         runtime = self._schedule(ctx, (micro.input_ids.shape[0], micro.input_ids.shape[1], documents is not None))
         runtime.loss.global_tokens = global_tokens
         losses: list[Tensor] = []
-        kwargs = {"document_ids_BS": documents.to(ctx.device)} if documents is not None else {}
-        args = (micro.input_ids.to(ctx.device),) if 0 in self.stage_ids else ()
+        kwargs = {"document_ids_BS": to_device(documents, ctx.device)} if documents is not None else {}
+        args = (to_device(micro.input_ids, ctx.device),) if 0 in self.stage_ids else ()
         for part in self.parts:
             part.train()
         with vocab_parallel_loss(self.parts[-1]):
             runtime.schedule.step(
-                *args, target=micro.labels.to(ctx.device), losses=losses, return_outputs=False, **kwargs
+                *args, target=to_device(micro.labels, ctx.device), losses=losses, return_outputs=False, **kwargs
             )
         if not losses:  # not the last stage
-            return torch.zeros(())
-        return torch.stack([loss.detach().float() for loss in losses]).sum().cpu() * global_tokens
+            return torch.zeros((), device=ctx.device)
+        return torch.stack([loss.detach().float() for loss in losses]).sum() * global_tokens
 
     def _schedule(self, ctx: RankContext, shape: tuple[int, int, bool]) -> PipelineRuntime:
         if self._runtime is not None and self._runtime.shape == shape:

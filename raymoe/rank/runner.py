@@ -29,6 +29,7 @@ from raymoe.models.common.loss import causal_lm_loss
 from raymoe.parallel.vocab_parallel import vocab_parallel_loss, whole
 from raymoe.rank.balance import Routing, aux_loss, collect_routing
 from raymoe.rank.contract import MicroBatch
+from raymoe.rank.transfer import to_device
 
 if TYPE_CHECKING:
     from raymoe.rank.context import RankContext, Training
@@ -39,8 +40,8 @@ PartCall = Callable[[CausalLM, Tensor], Tensor]
 
 @dataclass
 class Backward:
-    """What the forward/backward passes of a step's micro-batches leave: their summed token loss (float32, 0 on
-    ranks that take no loss) and, where routing is recorded, each micro-batch's :class:`Routing`."""
+    """What the forward/backward passes of a step's micro-batches leave: their summed token loss (float32 on the
+    rank's device, 0 on ranks that take no loss) and, where routing is recorded, each micro-batch's :class:`Routing`."""
 
     loss_sum: Tensor
     routings: list[Routing] = field(default_factory=list)
@@ -110,24 +111,30 @@ class WholeModel:
         self, ctx: RankContext, training: Training, micro_batches: Sequence[MicroBatch], global_tokens: int
     ) -> Backward:
         """Each micro-batch's loss divided by the global batch's token count (plus its share of the aux loss), so the
-        accumulated gradients are those of the global mean loss. FSDP2 reduces gradients after the last one."""
+        accumulated gradients are those of the global mean loss.
+
+        FSDP2 reduce-scatters each micro-batch's gradients as its backward ends, so they accumulate sharded (a
+        rank never holds more than one unit's full gradients); with ``fsdp_defer_gradient_sync`` the full
+        gradients accumulate unsharded and are reduced once, after the last micro-batch."""
         model, balance = self.model, training.balance
         model.train()
-        done = Backward(torch.zeros((), dtype=torch.float32))
+        done = Backward(torch.zeros((), dtype=torch.float32, device=ctx.device))
         trains_aux = balance.aux_loss_coef > 0
+        defer_sync = ctx.topology.config.fsdp_defer_gradient_sync
         for index, micro in enumerate(micro_batches):
-            if isinstance(model, FSDPModule):
+            if defer_sync and isinstance(model, FSDPModule):
                 model.set_requires_gradient_sync(index == len(micro_batches) - 1)
             with vocab_parallel_loss(model):
                 micro_loss = micro_loss_sum(model, micro, ctx.device)
                 # FSDP2 sums the gradients over data-parallel ranks (raymoe.parallel.fsdp): one process's gradient.
                 objective = micro_loss / global_tokens
-                routing = collect_routing(model, micro.token_mask.reshape(-1).to(ctx.device), with_grad=trains_aux)
+                real_T = to_device(micro.token_mask.reshape(-1), ctx.device)
+                routing = collect_routing(model, real_T, with_grad=trains_aux)
                 if routing is not None and trains_aux:
                     share = aux_loss(routing, ctx, per_layer=balance.aux_loss_per_layer) / len(micro_batches)
                     objective = objective + balance.aux_loss_coef * share
                 objective.backward()
-            done.loss_sum += micro_loss.detach().float().cpu()
+            done.loss_sum += micro_loss.detach().float()
             if routing is not None:
                 done.routings.append(routing)
         return done
@@ -146,9 +153,9 @@ def micro_loss_sum(model: nn.Module, micro: MicroBatch, device: torch.device) ->
     so the logits are freed before backward instead of sitting beside their ``[B, S, V]`` gradients (one
     vocabulary-wide tensor less at the step's peak; transformers' output keeps them).
     """
-    documents = micro.document_ids.to(device) if micro.document_ids is not None else None
-    logits = model(micro.input_ids.to(device), document_ids_BS=documents)
-    loss: Tensor = whole(causal_lm_loss(logits, micro.labels.to(device), reduction="sum"))
+    documents = to_device(micro.document_ids, device) if micro.document_ids is not None else None
+    logits = model(to_device(micro.input_ids, device), document_ids_BS=documents)
+    loss: Tensor = whole(causal_lm_loss(logits, to_device(micro.labels, device), reduction="sum"))
     del logits
     return loss
 

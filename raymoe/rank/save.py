@@ -29,6 +29,8 @@ from raymoe.rank.contract import SaveResult
 def save_gathered(ctx: RankContext, directory: str, max_shard_size: int) -> SaveResult:
     """Every rank gathers; rank 0 writes under ``directory`` (on its node) and answers the files or the failure.
 
+    The weights are written in the checkpoint's dtype (:attr:`PrecisionPolicy.checkpoint`), not the master's.
+
     Under pipeline parallelism every stage gathers its own parameters, and the rank of rank 0's pp group that
     holds a stage sends them on to rank 0, which writes the whole model as one checkpoint.
     """
@@ -38,7 +40,9 @@ def save_gathered(ctx: RankContext, directory: str, max_shard_size: int) -> Save
         _join_remaining(tensors)
         return SaveResult()
     try:
-        files = save_model(model, directory, max_shard_size=max_shard_size, tensors=tensors)
+        files = save_model(
+            model, directory, max_shard_size=max_shard_size, tensors=tensors, dtype=loaded.precision.checkpoint
+        )
     except (OSError, ValueError) as error:
         _join_remaining(tensors)
         cause = str(error) if isinstance(error, OSError) else f"{type(error).__name__}: {error}"

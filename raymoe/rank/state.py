@@ -8,9 +8,12 @@ only after DCP finished on every rank (its ``.metadata`` is written once all ran
     rank 0       staging/raymoe_state.json, staging -> target  (async: when its write finishes)
 
 A failed write on any rank fails DCP's collective on every rank, so all of them answer the failure and
-nothing is swapped in; the model and its optimizer are untouched. A load reads into fresh tensors laid
-out like this rank's shards (DCP reshards from whatever layout saved them) and copies them in only
-after DCP succeeded on every rank, so a failed load changes nothing.
+nothing is swapped in; the model and its optimizer are untouched. A load reads in place, into this rank's
+own parameter shards and AdamW moments (DCP reshards from whatever layout saved them, one saved chunk at a
+time through host memory), so it needs no second copy of the state. The driver checks everything knowable
+before any rank reads (:func:`~raymoe.checkpoint.training_state.check_training_state`); a load that still
+fails before DCP's first copy changes nothing, one that fails after it ends the rank group
+(:class:`PartialLoadError`).
 
 DCP's collectives run on a gloo group of their own (:meth:`RankContext.checkpoint_group`), so an
 asynchronous save's thread never shares a group with the training step's collectives.
@@ -18,6 +21,7 @@ asynchronous save's thread never shares a group with the training step's collect
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import shutil
 import time
@@ -32,6 +36,7 @@ from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -183,28 +188,71 @@ def training_state_dict(ctx: RankContext, loaded: LoadedModel) -> dict[str, Any]
 def load_training_state(
     ctx: RankContext, directory: str, optimizer: OptimizerConfig, balance: BalanceConfig
 ) -> StateAnswer:
-    """Read the state in ``directory`` into this rank's layout; on success make it the model's weights, a new AdamW
-    (``optimizer``, ``balance``) with the saved moments, and this rank's RNG (when the state has rank
-    ``ctx.rank``'s). On failure answer it and change nothing."""
+    """Read the state in ``directory`` into this rank's own tensors (no second copy); on success they are the model's
+    weights and, under a new AdamW (``optimizer``, ``balance``), its moments, and this rank's RNG is restored (when
+    the state has rank ``ctx.rank``'s).
+
+    DCP reads one saved chunk at a time into host memory and copies it into its place (the parameters' shards, the
+    moments; moments a parameter has no state for yet are made once, where they stay). A failure before the first
+    copy (DCP's plan, a first unreadable chunk) is answered and changes nothing; one after it raises
+    :class:`PartialLoadError`, which ends the rank group (the weights are partly the state's).
+    """
     loaded = ctx.require_model()
     for part in loaded.parts:
         _reshard(part)
     start = time.perf_counter()
-    reader = FileSystemReader(directory)
-    fresh = _empty_state(loaded)
+    reader = _ChunkByChunkReader(directory)
+    targets = _load_targets(loaded)
     has_rng = rng_key(ctx.rank) in reader.read_metadata().state_dict_metadata
     if has_rng:
-        fresh[rng_key(ctx.rank)] = b""
+        targets[rng_key(ctx.rank)] = b""
+    planner = _InPlaceLoadPlanner()
     try:
-        dcp.load(fresh, storage_reader=reader, planner=BoxLoadPlanner(), process_group=ctx.checkpoint_group())
+        dcp.load(targets, storage_reader=reader, planner=planner, process_group=ctx.checkpoint_group())
     except (CheckpointException, Exception) as error:
         cause, errno = describe_failure(error)
+        if planner.copied:
+            raise PartialLoadError(
+                f"load_state({directory!r}) failed after reading part of it into this model's weights and "
+                f"optimizer state in place: {cause}; they are neither the model's nor the state's: load the model "
+                "again and call load_state once the cause is fixed"
+            ) from error
         return StateAnswer(error=cause, errno=errno, seconds=time.perf_counter() - start)
     configure_optimizer(ctx, optimizer, balance)
-    _assign(loaded, fresh)
+    _adopt_moments(loaded, targets)
     if has_rng:
-        _set_rng(fresh[rng_key(ctx.rank)], ctx.device)
+        _set_rng(targets[rng_key(ctx.rank)], ctx.device)
     return StateAnswer(seconds=time.perf_counter() - start)
+
+
+class PartialLoadError(RuntimeError):
+    """A load that failed after DCP had copied part of the state into the model's own tensors (they are now
+    neither the model's nor the state's): raised on the rank, it ends the rank group."""
+
+
+class _InPlaceLoadPlanner(BoxLoadPlanner):
+    """:class:`BoxLoadPlanner` that records whether DCP has started copying into the state dict's tensors (it asks
+    for a target just before each copy), so a failure can say whether the model was touched."""
+
+    copied = False
+
+    def resolve_tensor(self, read_item: ReadItem) -> Tensor:
+        self.copied = True
+        target: Tensor = super().resolve_tensor(read_item)
+        return target
+
+
+class _ChunkByChunkReader(FileSystemReader):
+    """:class:`FileSystemReader` that holds one saved chunk in host memory at a time: DCP's reader keeps the chunk
+    it last copied until the next one is read, so two of the largest would be staged at once. Each read item is
+    read by a call of its own (its file opened again), so the chunk is released when that call returns."""
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        for item in plan.items:
+            super().read_data(dataclasses.replace(plan, items=[item]), planner).wait()
+        done: torch.futures.Future[None] = torch.futures.Future()
+        done.set_result(None)
+        return done
 
 
 def _entries(loaded: LoadedModel) -> dict[str, Tensor]:
@@ -212,30 +260,33 @@ def _entries(loaded: LoadedModel) -> dict[str, Tensor]:
     return {name: value for part in loaded.parts for name, value in model_entries(part).items()}
 
 
-def _empty_state(loaded: LoadedModel) -> dict[str, Any]:
-    """Uninitialised tensors laid out like this rank's parameters, buffers and moments: what DCP reads into."""
-    entries = _entries(loaded).items()
-    state: dict[str, Any] = {model_key(name): torch.empty_like(value.detach()) for name, value in entries}
+def _load_targets(loaded: LoadedModel) -> dict[str, Any]:
+    """What DCP reads into, sharing storage with the model: its parameters and buffers (this rank's shards), and
+    per trainable parameter the current AdamW's moments (shaped like the parameter's shard) and step (0-d float32,
+    on the parameter's device, as fused AdamW keeps it); made here, uninitialised, where the optimizer has none
+    (no step taken, or no optimizer yet): they become the new AdamW's state where they are."""
+    state: dict[str, Any] = {model_key(name): value.detach() for name, value in _entries(loaded).items()}
+    held = loaded.training.optimizer.state if loaded.training is not None else {}
     for name, param in loaded.named_parameters():
-        if param.requires_grad:
-            for moment in MOMENTS:
+        if not param.requires_grad:
+            continue
+        moments = held.get(param) or {}
+        for moment in MOMENTS:
+            state[optimizer_key(name, moment)] = moments.get(moment)
+            if state[optimizer_key(name, moment)] is None:
                 state[optimizer_key(name, moment)] = torch.empty_like(param.detach())
-            state[optimizer_key(name, "step")] = torch.zeros((), dtype=torch.float32)
+        state[optimizer_key(name, "step")] = moments.get("step")
+        if state[optimizer_key(name, "step")] is None:
+            state[optimizer_key(name, "step")] = torch.zeros((), dtype=torch.float32, device=_local(param).device)
     return state
 
 
-def _assign(loaded: LoadedModel, fresh: dict[str, Any]) -> None:
-    """Copy the read tensors into the model's own storage; the moments become the new AdamW's state."""
+def _adopt_moments(loaded: LoadedModel, targets: dict[str, Any]) -> None:
+    """The tensors DCP read the moments and steps into become the new AdamW's state (no copy)."""
     optimizer = loaded.require_training().optimizer
-    with torch.no_grad():
-        for name, value in _entries(loaded).items():
-            _local(value).copy_(_local(fresh[model_key(name)]))
     for name, param in loaded.named_parameters():
         if param.requires_grad:
-            optimizer.state[param] = {
-                "step": fresh[optimizer_key(name, "step")].to(_local(param).device),  # fused AdamW: on the device
-                **{moment: fresh[optimizer_key(name, moment)] for moment in MOMENTS},
-            }
+            optimizer.state[param] = {what: targets[optimizer_key(name, what)] for what in ("step", *MOMENTS)}
 
 
 def _local(tensor: Tensor) -> Tensor:

@@ -26,6 +26,7 @@ from raymoe.parallel.grad_norm import clip_grads, grad_norm
 from raymoe.rank.balance import record_routing, routers, sum_over_batches, update_selection_bias
 from raymoe.rank.context import LoadedModel, RankContext, Training
 from raymoe.rank.contract import MicroBatch, StepResult
+from raymoe.rank.runner import Backward
 from raymoe.spec.balance import BalanceConfig
 from raymoe.spec.optimizer import OptimizerConfig
 
@@ -78,19 +79,38 @@ def train_step(
     done = loaded.runner.backward(ctx, training, micro_batches, global_tokens)
     norm = _optimizer_step(training, lr, across=loaded.runner.norm_group(ctx), device=ctx.device)
     routings = done.routings
-    load_LE = torch.stack([r.load_LE for r in routings]).sum(dim=0).cpu() if routings else None
-    dropped_L = torch.stack([r.dropped_L for r in routings]).sum(dim=0).cpu() if routings else None
-    stats = torch.stack([r.aux_stats() for r in routings]).cpu() if routings else None
+    load_LE = torch.stack([r.load_LE for r in routings]).sum(dim=0) if routings else None
     bias_rate = training.balance.bias_update_rate
     if load_LE is not None and bias_rate is not None:
         update_selection_bias(loaded.model, sum_over_batches(load_LE.double(), ctx), bias_rate)
-    answers = ctx.answers_for_batch
+    return _step_result(done, norm, answers=ctx.answers_for_batch)
+
+
+def _step_result(done: Backward, norm: Tensor, *, answers: bool) -> StepResult:
+    """What the step reports, read from the device in one copy (the step's one host sync): loss and norm, and
+    the routing of the batch's answering rank (its loads ``[L, E]``, dropped pairs ``[L]``, statistics ``[M, n]``).
+    Counts travel as float64, exact below 2**53."""
+    routings = done.routings if answers else []
+    parts = [done.loss_sum.double()[None], norm.double()[None]]
+    if routings:
+        parts += [
+            torch.stack([r.load_LE for r in routings]).sum(dim=0).double().reshape(-1),
+            torch.stack([r.dropped_L for r in routings]).sum(dim=0).double(),
+            torch.stack([r.aux_stats() for r in routings]).reshape(-1),
+        ]
+    host = torch.cat(parts).cpu()
+    loss_sum, grad_norm_value = float(host[0]), float(host[1])
+    if not routings:
+        return StepResult(loss_sum=loss_sum if answers else 0.0, grad_norm=grad_norm_value)
+    layers, experts = routings[0].load_LE.shape
+    sizes = [layers * experts, layers, len(routings) * (2 * layers * experts + 1)]
+    load, dropped, stats = host[2:].split(sizes)
     return StepResult(
-        loss_sum=float(done.loss_sum) if answers else 0.0,
-        grad_norm=float(norm),
-        expert_load=load_LE if answers else None,
-        dropped_pairs=dropped_L if answers else None,
-        aux_stats=stats if answers else None,
+        loss_sum=loss_sum,
+        grad_norm=grad_norm_value,
+        expert_load=load.view(layers, experts).long(),
+        dropped_pairs=dropped.long(),
+        aux_stats=stats.view(len(routings), -1),
     )
 
 

@@ -85,7 +85,14 @@ class DistributedConfig(BaseModel):
     dp_replicate_size: int | None = Field(default=None, ge=1, description="HSDP replica count")
     fsdp_plan: PlanDict | None = Field(default=None, description="FSDP2 plan override")
     fsdp_cpu_offload: bool = Field(default=False, description="FSDP2 CPU offload")
-    fsdp_mixed_precision: bool = Field(default=False, description="FSDP2 bf16 params, fp32 reduce")
+    fsdp_mixed_precision: bool = Field(
+        default=False, description="FSDP2 bf16 params, fp32 reduce: from_pretrained's precision='bf16-mixed'"
+    )
+    fsdp_defer_gradient_sync: bool = Field(
+        default=False,
+        description="gradient accumulation without a reduce-scatter per micro-batch: full unsharded gradients are "
+        "kept until the last one (one reduction a step, a whole model's gradients of memory more per rank)",
+    )
     activation_checkpointing: Literal["none", "full", "selective"] = Field(
         default="none",
         description="recompute each decoder layer's activations in backward: all of them (full), or all but the "

@@ -26,6 +26,7 @@ from raymoe.models.registry import build_model, parse_model_config
 from raymoe.spec.config import DistributedConfig
 from raymoe.spec.pipeline import StagePlan, plan_stages
 from raymoe.spec.plans import ResolvedPlans, resolve_plans
+from raymoe.spec.precision import Precision, precision_of
 from raymoe.spec.topology import Topology, build_topology
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,6 +50,7 @@ class LaunchSpec:
     topology: Topology
     plans: ResolvedPlans
     stages: StagePlan | None = None  # pipeline stages (pp_size > 1)
+    precision: Precision = Precision.AUTO  # checked against dtype; each rank resolves it (raymoe.spec.precision)
 
     def build_meta_model(self) -> CausalLM:
         return build_model(self.config, device="meta")
@@ -95,10 +97,13 @@ def prepare_launch(
     dtype: torch.dtype | str | None = None,
     revision: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
+    precision: Precision | str | None = None,
 ) -> LaunchSpec:
     """Validate everything that can be validated without a cluster; raise ``ValueError`` on bad input."""
     config = as_config(distributed_config)
     dtype_of_weights = dtype_name(dtype)
+    asked = DTYPES[dtype_of_weights] if dtype_of_weights else None
+    policy = precision_of(precision, asked, config.fsdp_mixed_precision)
     topology = build_topology(config, world_size)
     config_file = resolve_config_file(name_or_path, revision=revision, cache_dir=cache_dir)
     raw = read_config_file(config_file.parent)
@@ -121,4 +126,5 @@ def prepare_launch(
         topology=topology,
         plans=plans,
         stages=stages,
+        precision=policy,
     )

@@ -17,8 +17,9 @@ import torch.distributed as dist
 from ray import cloudpickle
 
 from actors import GroupOptions, RankHangError, RayRankGroup
-from actors.hang import diagnose
+from actors.hang import PROGRESS_ANSWER_S, diagnose, diagnosis_deadline_s, poll_interval_s
 from raymoe import DistributedConfig, build_topology
+from raymoe.rank.context import backend_timeout_s, mesh_backend_overrides
 from raymoe.rank.contract import GroupProgress, RankProgress
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -94,6 +95,20 @@ def freeze_rank_one_at_next_forward(ctx):
         model = ctx.require_model().model
         model.register_forward_pre_hook(lambda *_: os.kill(os.getpid(), signal.SIGSTOP))
     return os.getpid()
+
+
+@pytest.mark.parametrize("timeout_s", [1.0, 10.0, 60.0, 300.0, 1800.0])
+def test_nccl_groups_outwait_the_drivers_hang_diagnosis(timeout_s):
+    """NCCL's watchdog ends a rank's process at its group's timeout (a frozen peer then reads as "actor died", no
+    culprit named); the driver holds every rank's report by ``diagnosis_deadline_s``, which must come first."""
+    deadline = diagnosis_deadline_s(timeout_s)
+    assert deadline == timeout_s + poll_interval_s(timeout_s) + PROGRESS_ANSWER_S
+    assert backend_timeout_s("nccl", timeout_s) > deadline
+    # what the sub-mesh groups are created with (a real options type stands in for CUDA-only ProcessGroupNCCL.Options)
+    overrides = mesh_backend_overrides("nccl", 4, timeout_s, new_options=dist.ProcessGroupGloo._Options)
+    assert min(options._timeout.total_seconds() for _, options in overrides) > deadline
+    # gloo raises in the rank at the timeout and the rank reports it: no margin needed
+    assert backend_timeout_s("gloo", timeout_s) == timeout_s
 
 
 def test_a_frozen_rank_is_named_within_40_s_and_nothing_is_left(ray_session, tiny_checkpoint):

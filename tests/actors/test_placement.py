@@ -1,9 +1,19 @@
 """Preflight and rank order: pure logic on described clusters, no Ray needed."""
 
 import pytest
+import torch
 
-from actors.placement import NodeCapacity, Placement, PlacementError, PlacementRequest, check_fits
+from actors.placement import (
+    NodeCapacity,
+    Placement,
+    PlacementError,
+    PlacementRequest,
+    check_fits,
+    rank_backend,
+    rank_env,
+)
 from raymoe import DistributedConfig, build_topology
+from raymoe.rank.context import DeviceBinding, choose_binding
 
 
 def nodes(*counts, gpus=True):
@@ -49,3 +59,30 @@ def test_cpu_ranks_count_cpu_slots():
 def test_local_rank_counts_ranks_on_the_same_node():
     placement = Placement(group=None, bundle_of_rank=(0, 1, 2, 3), node_of_rank=("a", "a", "b", "b"))
     assert [placement.local_rank(r) for r in range(4)] == [0, 1, 0, 1]
+
+
+def test_ranks_without_gpus_run_gloo_and_nccl_there_is_refused():
+    assert rank_backend(use_gpu=False, backend=None) == "gloo"
+    assert rank_backend(use_gpu=False, backend="gloo") == "gloo"
+    with pytest.raises(ValueError, match=r"backend='nccl' with use_gpu=False: NCCL runs on GPUs"):
+        rank_backend(use_gpu=False, backend="nccl")
+    assert rank_backend(use_gpu=True, backend=None) == "nccl"
+    assert rank_backend(use_gpu=True, backend="gloo") == "gloo"
+
+
+def test_ranks_without_gpus_have_them_hidden():
+    assert rank_env(use_gpu=False) == {"CUDA_VISIBLE_DEVICES": ""}
+    assert rank_env(use_gpu=True) == {}
+
+
+@pytest.mark.parametrize("rank", [0, 5])
+def test_use_gpu_false_on_a_gpu_node_binds_the_cpu(rank):
+    """Ray 2.60 leaves an actor of zero GPUs the node's CUDA_VISIBLE_DEVICES (all eight GPUs). The driver's choice and
+    the hidden GPUs each make the rank a CPU rank on their own; before, every rank picked NCCL and cuda:0."""
+    node_env = "0,1,2,3,4,5,6,7"
+    visible = rank_env(use_gpu=False).get("CUDA_VISIBLE_DEVICES", node_env)
+    seen = 0 if visible == "" else len(visible.split(","))
+    cpu = DeviceBinding("gloo", torch.device("cpu"))
+    assert choose_binding(rank, rank_backend(False, None), visible, seen) == cpu
+    assert choose_binding(rank, rank_backend(False, None), node_env, 8) == cpu  # GPUs not hidden: still gloo
+    assert choose_binding(rank, None, visible, seen) == cpu  # no backend sent: the hidden GPUs decide

@@ -58,6 +58,21 @@ def test_a_local_world_computes_what_one_process_does(load_local, tiny):
         assert model.step == 1
 
 
+def test_a_tied_head_loads_on_a_rank_without_fsdp(load_local, tiny_checkpoint, load_hf_model, tmp_path):
+    """A tied checkpoint stores the embedding only: the rank's head must be that parameter again after its
+    parameters get storage (``to_empty`` gives each its own), or it asks the checkpoint for ``lm_head.weight``."""
+    checkpoint = tiny_checkpoint("llama_mha_tied_linear_rope")
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    with load_local(checkpoint) as model:
+        with torch.no_grad():
+            assert (model(ids) - load_hf_model(checkpoint)(input_ids=ids).logits).abs().max().item() <= 1e-5
+        model.configure_training(lr=1e-2)
+        model.train_step(ids)
+        model.save_pretrained(tmp_path)
+    trained = load_hf_model(tmp_path)
+    assert torch.equal(trained.lm_head.weight, trained.model.embed_tokens.weight)
+
+
 def count_adamw(monkeypatch) -> list[int]:
     """How many AdamW optimizers the (in-process) rank builds from now on."""
     built: list[int] = []

@@ -1,14 +1,17 @@
 """KV cache and generation: cached decoding equals full recomputation; eos and stop sequences; left-padded
-prompts against transformers; sampling (limits, seeds across row splits, top-k / top-p sets)."""
+prompts against transformers; sampling (limits, seeds across row splits, top-k / top-p sets); a step's work
+that does not grow with the tokens already generated."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from raymoe.checkpoint import load_model
 from raymoe.models import KVCache
-from raymoe.models.common.generation import Generation, SamplingConfig, generate, pick_next
+from raymoe.models.common.generation import UNIFORM_BLOCK, Generation, SamplingConfig, StopRules, generate, pick_next
 
 
 def test_cached_chunks_equal_one_full_forward(tiny_name, tiny_checkpoint):
@@ -163,3 +166,69 @@ def test_a_stop_sequence_finishes_its_row(tiny_checkpoint):
     end = 3 + next(i for i in range(len(generated)) if generated[i : i + 2] == stop) + 2
     out = generate(model, prompt, 8, eos_token_ids=(), stop_sequences=[stop], pad_token_id=0)
     assert torch.equal(out[0, :end], free[0, :end]) and (out[0, end:] == 0).all()
+
+
+# --- a step's work does not grow with the tokens already generated (issue 36) ---------------------
+
+
+class Work(TorchDispatchMode):
+    """Operators dispatched and the elements of their tensor arguments (what they read): the model's forward
+    (``in_model``) apart from the generation's own work."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = {False: [0, 0], True: [0, 0]}  # in_model -> [operators, elements read]
+        self.in_model = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        counts = self.counts[self.in_model]
+        counts[0] += 1
+        counts[1] += sum(x.numel() for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor))
+        return func(*args, **(kwargs or {}))
+
+
+class Counted:
+    """The model, its forward counted apart (attention reads the whole cache: that work does grow)."""
+
+    def __init__(self, model, work: Work) -> None:
+        self.model, self.work = model, work
+
+    def new_cache(self, max_length):
+        return self.model.new_cache(max_length)
+
+    def __call__(self, *args):
+        self.work.in_model = True
+        try:
+            return self.model(*args)
+        finally:
+            self.work.in_model = False
+
+
+def work_of_steps(model, steps: int, sampling: SamplingConfig, counted: set[int]) -> dict[int, Work]:
+    """The work of the ``counted`` steps of a generation of ``steps`` with eos ids and stop sequences."""
+    ids, mask, _ = left_padded(model.config.vocab_size)
+    stop = StopRules(eos_ids=(3, 4), stop_sequences=((5, 6), (7, 8, 9)), pad_id=0)
+    work = {step: Work() for step in counted}
+    decoder = Counted(model, Work())
+    generation = Generation(decoder, ids, steps, attention_mask_BS=mask, sampling=sampling, stop=stop)
+    with torch.no_grad():
+        for step in range(steps):
+            if step in counted:
+                decoder.work = work[step]
+                with work[step]:
+                    generation.step()
+            else:
+                generation.step()
+    return work
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(do_sample=True, top_k=20, top_p=0.9, seed=3)])
+def test_a_step_does_the_same_work_late_in_a_generation_as_early(sampling, tiny_checkpoint):
+    """Step 5 and step 5 + 2 blocks (and two blocks' first steps, which draw the block's sampling numbers): the
+    same operators reading the same number of elements outside the model; the same operators in the model."""
+    model = load_model(tiny_checkpoint("moe_e8_k2_mha"))
+    early, late = 5, 5 + 2 * UNIFORM_BLOCK
+    work = work_of_steps(model, 3 * UNIFORM_BLOCK, sampling, {early, late, UNIFORM_BLOCK, 2 * UNIFORM_BLOCK})
+    assert work[early].counts[False] == work[late].counts[False]
+    assert work[UNIFORM_BLOCK].counts[False] == work[2 * UNIFORM_BLOCK].counts[False]
+    assert work[early].counts[True][0] == work[late].counts[True][0]

@@ -3,14 +3,51 @@ transformers in one process, save, reload in transformers."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from ray import cloudpickle
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 LR, WEIGHT_DECAY, STEPS, ROWS, SEQ = 1e-3, 0.1, 3, 8, 10
+MICRO = 2  # micro-batches of the counted step
+
+
+def counted_step(ctx, vocab: int) -> tuple[int, int, int, dict[str, int]]:
+    """A training step of ``MICRO`` micro-batches (the same rows on every rank), the second of two, under the meter:
+    ``(syncs, token-dispatch syncs, MoE layers this rank holds, {site: count})``."""
+    import torch
+
+    from raymoe.rank.balance import routers
+    from raymoe.rank.contract import MicroBatch
+    from raymoe.rank.host_syncs import HostSyncs
+    from raymoe.rank.train import train_step
+
+    ids = torch.randint(0, vocab, (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
+    micro = MicroBatch(ids, ids.clone(), torch.ones_like(ids, dtype=torch.bool))
+    tokens = MICRO * ids.numel() * ctx.topology.world_size
+    train_step(ctx, [micro] * MICRO, global_tokens=tokens)  # a pipeline's first step of a shape sets it up
+    with HostSyncs() as syncs:
+        train_step(ctx, [micro] * MICRO, global_tokens=tokens)
+    dispatch = sum(n for site, n in syncs.sites.items() if "/styles/dispatch.py:" in site)
+    moe_layers = sum(len(routers(part)) for part in ctx.require_model().parts)
+    return syncs.count, dispatch, moe_layers, dict(syncs.sites)
+
+
+def check_step_syncs(model, vocab: int) -> None:
+    """The sync budget of a training step (issue 36): one device -> host sync (the step's answer), plus under token
+    dispatch the all-to-all split sizes, one per MoE layer and micro-batch (again in recomputation)."""
+    recomputed = 2 if model.topology.config.activation_checkpointing != "none" else 1
+    for syncs, dispatch, moe_layers, sites in model.run_on_ranks(counted_step, vocab):
+        assert syncs - dispatch <= 1, sites
+        assert dispatch in (0, moe_layers * MICRO * recomputed), sites
+
+
 TORCH_BETAS = (0.9, 0.999)  # the reference runs torch.optim.AdamW with its defaults, no clipping
 
 
@@ -68,6 +105,7 @@ def check_layout(
                 prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False
             )
             assert model.generate(prompt[0:1].tolist(), 4) == [expected[0].tolist()]
+            check_step_syncs(model, vocab=hf_model.config.vocab_size)
         return metrics
 
     return check

@@ -1,10 +1,23 @@
-"""The rank context's process groups: the world group and every sub-mesh group carry the configured timeout."""
+"""The rank context's process groups: the world group and every sub-mesh group carry the configured timeout; the device
+a rank binds (pure: the GPU branches run without a GPU); one process-group options object per mesh dimension."""
 
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 from ray import cloudpickle
+
+from raymoe import DistributedConfig, build_topology
+from raymoe.rank.context import (
+    NCCL_TIMEOUT_MARGIN_S,
+    DeviceBinding,
+    backend_timeout_s,
+    choose_binding,
+    group_timeout_s,
+    mesh_backend_overrides,
+)
+from raymoe.rank.local import LocalRankGroup
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -32,3 +45,83 @@ def test_every_sub_mesh_group_carries_the_world_timeout(load_on_world, tiny_chec
     for rank_timeouts in seen:
         assert set(rank_timeouts) == {"world", "checkpoint", "dp_replicate", "pp", "fsdp", "tp", "efsdp", "ep"}
         assert set(rank_timeouts.values()) == {SESSION_TIMEOUT_S}, rank_timeouts
+
+
+# --- device binding, options per mesh dimension, group timeouts: pure, no GPU, no NCCL ------------------------------
+
+
+def test_gloo_binds_the_cpu_even_where_gpus_are_visible():
+    assert choose_binding(0, "gloo", "0,1,2,3", 4) == DeviceBinding("gloo", torch.device("cpu"))
+    assert choose_binding(2, "gloo", "", 0) == DeviceBinding("gloo", torch.device("cpu"))
+
+
+def test_nccl_binds_the_one_gpu_this_process_sees():
+    # Ray shows a GPU rank its own GPU (CUDA_VISIBLE_DEVICES="5"), which torch numbers 0
+    assert choose_binding(5, "nccl", "5", 1) == DeviceBinding("nccl", torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize(
+    ("visible", "count", "shown"),
+    [("0,1,2,3,4,5,6,7", 8, "'0,1,2,3,4,5,6,7'"), (None, 2, "unset"), ("", 0, "''")],
+)
+def test_nccl_without_exactly_one_gpu_names_rank_visible_devices_and_count(visible, count, shown):
+    with pytest.raises(RuntimeError) as raised:
+        choose_binding(3, "nccl", visible, count)
+    message = str(raised.value)
+    assert message.startswith("rank 3: backend 'nccl' needs exactly one visible GPU per rank")
+    assert f"torch.cuda.device_count() = {count}" in message
+    assert f"CUDA_VISIBLE_DEVICES {shown}" in message
+
+
+def test_no_backend_asked_picks_by_the_gpus_seen_and_still_refuses_several():
+    assert choose_binding(0, None, "", 0) == DeviceBinding("gloo", torch.device("cpu"))
+    assert choose_binding(0, None, "3", 1) == DeviceBinding("nccl", torch.device("cuda", 0))
+    # the bug of issue 36: every rank of a node seeing all its GPUs used to land on cuda:0
+    with pytest.raises(RuntimeError, match=r"rank 1: .* sees 8 "):
+        choose_binding(1, None, "0,1,2,3,4,5,6,7", 8)
+
+
+def _distinct(overrides):
+    return len({id(options) for _, options in overrides}) == len(overrides)
+
+
+def test_every_mesh_dimension_gets_an_options_object_of_its_own():
+    # ProcessGroupNCCL.Options needs a CUDA build; the factory's NCCL branch is driven with a real options type that
+    # this build has, which is all it calls.
+    nccl = mesh_backend_overrides("nccl", 4, 300.0, new_options=dist.ProcessGroupGloo._Options)
+    assert len(nccl) == 4 and _distinct(nccl)
+    assert {backend for backend, _ in nccl} == {"nccl"}
+    assert {options._timeout.total_seconds() for _, options in nccl} == {300.0 + NCCL_TIMEOUT_MARGIN_S}
+    gloo = mesh_backend_overrides("gloo", 4, 300.0)
+    assert len(gloo) == 4 and _distinct(gloo)
+    assert {backend for backend, _ in gloo} == {"gloo"}
+    assert {options._timeout.total_seconds() for _, options in gloo} == {300.0}
+    # two calls (the dense and the expert mesh) share nothing either
+    other = mesh_backend_overrides("gloo", 4, 300.0)
+    assert not {id(o) for _, o in gloo} & {id(o) for _, o in other}
+
+
+def test_only_nccl_groups_wait_beyond_the_collective_timeout():
+    assert backend_timeout_s("gloo", 300.0) == 300.0
+    assert backend_timeout_s("nccl", 300.0) == 300.0 + NCCL_TIMEOUT_MARGIN_S
+
+
+def _group_timeouts(ctx):
+    seen = {"world": group_timeout_s(dist.group.WORLD, ctx.device)}
+    for mesh in (ctx.dense_mesh, ctx.expert_mesh):
+        for axis in mesh.mesh_dim_names:
+            seen[axis] = group_timeout_s(mesh.get_group(axis), ctx.device)
+    return seen
+
+
+def test_a_local_gloo_world_gives_every_sub_mesh_group_the_timeout_through_its_own_options():
+    """gloo takes nothing from the options but ``_timeout`` (DeviceMesh passes it to ``new_group``); without an
+    options object a sub-mesh group would wait torch's 30 minutes."""
+    group = LocalRankGroup(collective_timeout_s=77.0)
+    try:
+        group.use_layout(build_topology(DistributedConfig(), 1))
+        (seen,) = group.execute(_group_timeouts)
+    finally:
+        group.shutdown()
+    assert set(seen) == {"world", "dp_replicate", "pp", "fsdp", "tp", "efsdp", "ep"}
+    assert set(seen.values()) == {77.0}, seen

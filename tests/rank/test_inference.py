@@ -125,3 +125,62 @@ def test_bad_input_fails_on_the_driver_before_any_rank_call(call, message, load_
             call(model)
         assert calls == []
         monkeypatch.undo()
+
+
+def fsdp_gathers(ctx, max_new_tokens, stream):
+    """``(FSDP all-gathers while this rank generates, or streams, max_new_tokens tokens; every parameter group's
+    reshard-after-forward setting before and after)``."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from raymoe.models.common.generation import SamplingConfig, StopRules
+    from raymoe.rank.contract import DecodeRequest
+    from raymoe.rank.infer import end_stream, generate_tokens, start_stream, stream_step
+
+    class Gathers(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func is torch.ops.fsdp.all_gather_copy_in.default  # one per unit gathered
+            return func(*args, **(kwargs or {}))
+
+    def settings():
+        units = [m for m in ctx.require_model().model.modules() if isinstance(m, FSDPModule)]
+        return [group._reshard_after_forward for unit in units for group in unit._get_fsdp_state()._fsdp_param_groups]
+
+    before = settings()
+    ids, rows = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]]), torch.arange(2)
+    request = DecodeRequest(max_new_tokens, SamplingConfig(), StopRules())
+    with Gathers() as gathers:
+        if stream:
+            start_stream(ctx, ids, None, rows, request)
+            for _ in range(max_new_tokens):
+                stream_step(ctx)
+            end_stream(ctx)
+        else:
+            generate_tokens(ctx, ids, None, rows, request)
+    return gathers.count, before, settings()
+
+
+def test_fsdp_gathers_once_per_generation_and_training_after_is_unchanged(load_on_world, tiny_checkpoint):
+    """fsdp2: each unit is gathered once for a whole generation (or stream), not once per token; afterwards every
+    unit reshards after forward as before, and training steps equal those of a model that never generated."""
+    directory = tiny_checkpoint(MOE)
+    ids = torch.randint(1, 96, (4, 8), generator=torch.Generator().manual_seed(3))
+    config = {"fsdp_size": 2}
+    with load_on_world(directory, config) as model:
+        model.configure_training(lr=1e-3)
+        fresh = [model.train_step(ids) for _ in range(2)]
+    with load_on_world(directory, config) as model:
+        model.configure_training(lr=1e-3)
+        counted = {(n, stream): model.run_on_ranks(fsdp_gathers, n, stream) for n in (1, 8) for stream in (False, True)}
+        model.generate(ids[:2].tolist(), 8, eos_token_ids=())
+        after = [model.train_step(ids) for _ in range(2)]
+    for got, want in zip(after, fresh, strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-6)
+    for rank in range(2):
+        gathers = {key: answers[rank][0] for key, answers in counted.items()}
+        assert len(set(gathers.values())) == 1 and gathers[1, False] > 0, gathers
+        for _, before, restored in (answers[rank] for answers in counted.values()):
+            assert restored == before and any(before) and not all(before)  # the root keeps its weights

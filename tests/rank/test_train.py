@@ -75,3 +75,80 @@ def test_adamw_step_allocates_no_parameter_sized_temporaries(load_on_world, tiny
         model.configure_training(lr=1e-3)
         for allocated, parameter_bytes in model.run_on_ranks(adamw_step_allocations):
             assert allocated < 0.05 * parameter_bytes, (allocated, parameter_bytes)  # foreach: >= parameter_bytes
+
+
+def step_peak_bytes(ctx, micro_batches: int, rows: int, seq: int) -> int:
+    """The highest total bytes of the tensor storages a training step of ``rows`` rows cut into ``micro_batches``
+    micro-batches allocates and still holds, on this rank (activations, gradients, buffers; storages that live
+    before the step, the parameters and AdamW moments, are not counted). Every op's new output storages are
+    counted until the storage itself is freed (a finalizer on it, whatever tensors shared it). The step before the
+    measured one creates the AdamW moments, so the measured one allocates what every later step does."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from raymoe.rank.contract import MicroBatch
+    from raymoe.rank.train import train_step
+
+    class LiveStorages(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.live = self.peak = 0
+            self.tracked: set[int] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {_address(t) for t in tree_leaves((args, kwargs)) if _real(t)}
+            for tensor in tree_leaves(out):
+                if _real(tensor):
+                    storage = tensor.untyped_storage()
+                    key = _address(tensor)
+                    if key and key not in inputs and key not in self.tracked:
+                        self.tracked.add(key)
+                        self.live += storage.nbytes()
+                        self.peak = max(self.peak, self.live)
+                        weakref.finalize(storage, self._freed, key, storage.nbytes())
+            return out
+
+        def _freed(self, key: int, nbytes: int) -> None:
+            self.tracked.discard(key)
+            self.live -= nbytes
+
+    def _real(t) -> bool:
+        return isinstance(t, torch.Tensor) and t.device.type != "meta"
+
+    def _address(t) -> int:
+        """The storage's address; 0 for one FSDP2 freed (resized to nothing: no longer a valid storage)."""
+        try:
+            return int(t.untyped_storage().data_ptr())
+        except RuntimeError:
+            return 0
+
+    ids = torch.randint(0, 96, (rows, seq), generator=torch.Generator().manual_seed(0))
+    pieces = [
+        MicroBatch(part, part.clone(), torch.ones_like(part, dtype=torch.bool)) for part in ids.chunk(micro_batches)
+    ]
+    tokens = ids.numel() * ctx.topology.world_size
+    train_step(ctx, pieces, tokens)
+    meter = LiveStorages()
+    with meter:
+        train_step(ctx, pieces, tokens)
+    return meter.peak
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["sharded", "defer_sync"])
+def test_gradient_accumulation_keeps_gradients_sharded(load_on_world, tiny_checkpoint, defer):
+    """fsdp4: 4 micro-batches peak no higher than 1.1 x one micro-batch of all the rows; the twin with
+    ``fsdp_defer_gradient_sync`` (full gradients kept until the last micro-batch) goes past it."""
+    layout = {"fsdp_size": 4, "fsdp_defer_gradient_sync": defer}
+    with load_on_world(tiny_checkpoint(MOE), layout) as model:
+        model.configure_training(lr=1e-3)
+        one = model.run_on_ranks(step_peak_bytes, 1, 4, 8)
+        four = model.run_on_ranks(step_peak_bytes, 4, 4, 8)
+    ratio = max(f / o for f, o in zip(four, one, strict=True))
+    if defer:
+        assert ratio > 1.1, (one, four)
+    else:
+        assert ratio <= 1.1, (one, four)

@@ -9,6 +9,13 @@ each head only (GLM-4.5's partial rotary) and biases on q/k/v without one on o (
     sinks: one logit per head appended to every row before the softmax, then dropped, so it
     takes probability mass without adding a value:  softmax([scores | sink_h])[..., :L] @ v
 
+Every variant runs through ``scaled_dot_product_attention``, so no per-head ``[B, Hq, S, L]`` scores are
+ever held (the mask, ``[S, L]`` or ``[B, 1, S, L]`` shared by the heads, is the only ``S x L`` tensor).
+Sinks are one extra key that every query sees, with value 0 and score ``sink_h`` (:func:`sink_attention`);
+a window drops the keys no new query can see before attending, so a decode step of a windowed layer reads
+``W`` cached positions, not all of them. Grouped key/value heads are passed as they are (``enable_gqa``)
+wherever a fused kernel takes them.
+
 Packed rows (document masking, :mod:`raymoe.models.common.packing`): a query sees only the keys of
 its own document. The documents are unpacked into rows of their own, so windows and sinks act inside
 each document exactly as on the document alone; tensor parallelism needs nothing for it (every head of
@@ -25,6 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend
 
 from raymoe.models.common.config import ModelConfig
 from raymoe.models.common.kv_cache import LayerKVCache
@@ -109,15 +117,14 @@ def apply_partial_rope(x_BHSD: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int
 
 def causal_attention(q_BHqSD: Tensor, k_BHkvLD: Tensor, v_BHkvLD: Tensor, start: int, scale: float) -> Tensor:
     """Query ``i`` (position ``start + i``) attends to keys at positions ``<= start + i``."""
-    k_BHkvLD, v_BHkvLD = _expand_kv(q_BHqSD, k_BHkvLD, v_BHkvLD)
     seq, length = q_BHqSD.shape[2], k_BHkvLD.shape[2]
     if seq == length:  # no cached prefix: the square causal mask
-        return F.scaled_dot_product_attention(q_BHqSD, k_BHkvLD, v_BHkvLD, is_causal=True, scale=scale)
+        return grouped_attention(q_BHqSD, k_BHkvLD, v_BHkvLD, scale, is_causal=True)
     if seq == 1:  # one new token sees every cached position
-        return F.scaled_dot_product_attention(q_BHqSD, k_BHkvLD, v_BHkvLD, scale=scale)
+        return grouped_attention(q_BHqSD, k_BHkvLD, v_BHkvLD, scale)
     # SDPA's is_causal aligns the mask top-left, wrong with a cached prefix: build it explicitly.
     allowed_SL = visible_keys(seq, length, start, None, q_BHqSD.device)
-    return F.scaled_dot_product_attention(q_BHqSD, k_BHkvLD, v_BHkvLD, attn_mask=allowed_SL, scale=scale)
+    return grouped_attention(q_BHqSD, k_BHkvLD, v_BHkvLD, scale, allowed_SL)
 
 
 def masked_attention(
@@ -132,38 +139,80 @@ def masked_attention(
 ) -> Tensor:
     """Causal attention with an optional sliding ``window``, per-head ``sinks`` and padding ``key_mask``
     (see the module docstring). A padding query sees itself, so its (unused) row stays finite."""
-    k_BHqLD, v_BHqLD = _expand_kv(q_BHqSD, k_BHkvLD, v_BHkvLD)
-    seq, length = q_BHqSD.shape[2], k_BHqLD.shape[2]
-    allowed = visible_keys(seq, length, start, window, q_BHqSD.device)  # [S, L]
+    seq, device = q_BHqSD.shape[2], q_BHqSD.device
+    first = 0 if window is None else max(0, start - window + 1)  # no new query sees a key before it
+    k_BHkvLD, v_BHkvLD = k_BHkvLD[:, :, first:], v_BHkvLD[:, :, first:]
+    length = first + k_BHkvLD.shape[2]
+    allowed = visible_keys(seq, length, start, window, device, first)  # [S, L - first]
     if key_mask_BL is not None:
-        device = q_BHqSD.device
         query_pos = torch.arange(start, start + seq, device=device)
-        own_SL = torch.arange(length, device=device)[None, :] == query_pos[:, None]
-        allowed = (allowed & key_mask_BL[:, None, None, :]) | own_SL  # [B, 1, S, L]
+        own_SL = torch.arange(first, length, device=device)[None, :] == query_pos[:, None]
+        allowed = (allowed & key_mask_BL[:, None, None, first:]) | own_SL  # [B, 1, S, L - first]
     if sinks_Hq is None:
-        return F.scaled_dot_product_attention(q_BHqSD, k_BHqLD, v_BHqLD, attn_mask=allowed, scale=scale)
-    scores_BHqSL = torch.matmul(q_BHqSD, k_BHqLD.transpose(2, 3)) * scale
-    scores_BHqSL = scores_BHqSL.masked_fill(~allowed, float("-inf"))
-    batch, heads, seq, _ = scores_BHqSL.shape
-    sink_BHqS1 = sinks_Hq.to(scores_BHqSL.dtype).view(1, heads, 1, 1).expand(batch, heads, seq, 1)
-    logits = torch.cat([scores_BHqSL, sink_BHqS1], dim=-1)
-    probs = torch.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)
-    return torch.matmul(probs[..., :-1].to(v_BHqLD.dtype), v_BHqLD)
+        return grouped_attention(q_BHqSD, k_BHkvLD, v_BHkvLD, scale, allowed)
+    return sink_attention(q_BHqSD, k_BHkvLD, v_BHkvLD, scale, allowed, sinks_Hq)
 
 
-def visible_keys(seq: int, length: int, start: int, window: int | None, device: torch.device) -> Tensor:
-    """``[S, L]`` bool: the query at ``t = start + i`` sees key ``p`` iff ``p <= t`` (and ``p > t - window``)."""
-    key_pos = torch.arange(length, device=device)
+def sink_attention(
+    q_BHqSD: Tensor, k_BHkvLD: Tensor, v_BHkvLD: Tensor, scale: float, allowed: Tensor, sinks_Hq: Tensor
+) -> Tensor:
+    """``softmax([scores | sink_h])[..., :L] @ v`` with ``allowed`` (bool, ``[S, L]`` or ``[B, 1, S, L]``)
+    masking the scores, through SDPA: ``[B, Hq, S, Dv]``, exact in value and in every gradient (sinks included).
+
+    The sink is a virtual key at position ``L`` that every query sees, with value 0. Its score must be
+    ``sink_h``, which differs per query head while keys are per kv head, so the head's sink rides in the query:
+    one extra channel (index ``D``) holds ``sink_h / scale`` in the query, 0 in every real key and 1 in the
+    virtual key (whose other channels are 0), so ``scale * q.k`` is the real score for a real key and ``sink_h`` for the
+    virtual one. Channels are padded with zeros to a common width ``W``, a multiple of 8 (kernel alignment;
+    the values too, since fused kernels want one head dim), and the output is cut back to ``Dv``.
+    """
+    batch, heads, seq, head_dim = q_BHqSD.shape
+    value_dim = v_BHkvLD.shape[-1]
+    width = -(-(max(head_dim, value_dim) + 1) // 8) * 8
+    sink_BHqS1 = (sinks_Hq / scale).to(q_BHqSD.dtype).view(1, heads, 1, 1).expand(batch, heads, seq, 1)
+    q_BHqSW = torch.cat([q_BHqSD, sink_BHqS1, q_BHqSD.new_zeros(batch, heads, seq, width - head_dim - 1)], dim=-1)
+    virtual_BHkv1W = k_BHkvLD.new_zeros(1, 1, 1, width)
+    virtual_BHkv1W[..., head_dim] = 1.0
+    virtual_BHkv1W = virtual_BHkv1W.expand(batch, k_BHkvLD.shape[1], 1, width)
+    k_BHkvLW = torch.cat([F.pad(k_BHkvLD, (0, width - head_dim)), virtual_BHkv1W], dim=2)  # L + 1 keys
+    v_BHkvLW = F.pad(v_BHkvLD, (0, width - value_dim, 0, 1))  # the virtual key's value: 0
+    allowed_with_sink = F.pad(allowed, (0, 1), value=True)
+    out_BHqSW = grouped_attention(q_BHqSW, k_BHkvLW, v_BHkvLW, scale, allowed_with_sink)
+    return out_BHqSW[..., :value_dim]
+
+
+def grouped_attention(
+    q_BHqSD: Tensor,
+    k_BHkvLD: Tensor,
+    v_BHkvLD: Tensor,
+    scale: float,
+    allowed: Tensor | None = None,
+    is_causal: bool = False,
+) -> Tensor:
+    """SDPA where query head ``h`` reads kv head ``h // (Hq / Hkv)``: ``[B, Hq, S, Dv]``.
+
+    The kv heads go in as they are (``enable_gqa``) unless no fused kernel takes grouped heads for this call
+    (on CUDA the memory-efficient kernel, the one that takes a mask, does not): then they are repeated to
+    ``Hq``, which is what SDPA's math backend would do anyway, and the fused kernel runs on the copies.
+    """
+    groups = q_BHqSD.shape[1] // k_BHkvLD.shape[1]
+    if groups > 1:
+        choice = torch._fused_sdp_choice(
+            q_BHqSD, k_BHkvLD, v_BHkvLD, allowed, 0.0, is_causal, scale=scale, enable_gqa=True
+        )
+        if choice == SDPBackend.MATH.value:
+            k_BHkvLD, v_BHkvLD = k_BHkvLD.repeat_interleave(groups, 1), v_BHkvLD.repeat_interleave(groups, 1)
+    return F.scaled_dot_product_attention(
+        q_BHqSD, k_BHkvLD, v_BHkvLD, attn_mask=allowed, is_causal=is_causal, scale=scale, enable_gqa=True
+    )
+
+
+def visible_keys(seq: int, length: int, start: int, window: int | None, device: torch.device, first: int = 0) -> Tensor:
+    """``[S, L - first]`` bool: the query at ``t = start + i`` sees key ``p`` (``first <= p < L``) iff ``p <= t``
+    (and ``p > t - window``)."""
+    key_pos = torch.arange(first, length, device=device)
     query_pos = torch.arange(start, start + seq, device=device)
     allowed_SL = key_pos[None, :] <= query_pos[:, None]
     if window is not None:
         allowed_SL &= key_pos[None, :] > query_pos[:, None] - window
     return allowed_SL
-
-
-def _expand_kv(q_BHqSD: Tensor, k_BHkvLD: Tensor, v_BHkvLD: Tensor) -> tuple[Tensor, Tensor]:
-    """Keys and values repeated so query head ``h`` reads kv head ``h // (Hq / Hkv)``."""
-    groups = q_BHqSD.shape[1] // k_BHkvLD.shape[1]
-    if groups > 1:
-        return k_BHkvLD.repeat_interleave(groups, dim=1), v_BHkvLD.repeat_interleave(groups, dim=1)
-    return k_BHkvLD, v_BHkvLD

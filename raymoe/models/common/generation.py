@@ -13,6 +13,7 @@ of most likely tokens whose probability reaches ``top_p``) and draws by inverse 
 uniform number per row and step. That number depends only on ``(seed, the row's index in the
 global batch, the step)`` (a CPU generator seeded from the three), so the same seed gives the same
 tokens however the rows are split over ranks, and a row's tokens do not depend on the other rows.
+The numbers of ``UNIFORM_BLOCK`` steps are drawn at once and copied to the device together.
 """
 
 from __future__ import annotations
@@ -111,6 +112,13 @@ class Generation:
 
     ``row_ids [B]`` are the rows' indices in the global batch (they pick the sampling numbers, see the
     module docstring); by default the batch is the global one.
+
+    A step's work does not grow with the tokens already generated: the output ``[B, S + max_new_tokens]``
+    is allocated once on the prompts' device and written one column per step; a stop sequence of ``n``
+    tokens compares the buffer's last ``n`` generated columns; eos ids, stop sequences and the head's
+    positions are device tensors made once. The sampling numbers are drawn on the host for
+    ``UNIFORM_BLOCK`` steps at a time (the same numbers, see the module docstring) and reach the device
+    in one non-blocking copy per block. Nothing in :meth:`step` waits for the device; :attr:`done` does.
     """
 
     def __init__(
@@ -130,16 +138,25 @@ class Generation:
         self.sampling = sampling or SamplingConfig()
         self.stop = stop or StopRules()
         self.max_new_tokens = max_new_tokens
-        batch, prompt_len = input_ids_BS.shape
-        self.cache = model.new_cache(prompt_len + max_new_tokens)
-        self.device = input_ids_BS.device
+        batch, self.prompt_length = input_ids_BS.shape
+        self.cache = model.new_cache(self.prompt_length + max_new_tokens)
+        self.device = device = input_ids_BS.device
         self.row_ids = list(row_ids) if row_ids is not None else list(range(batch))
-        self.finished_B = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        self.finished_B = torch.zeros(batch, dtype=torch.bool, device=device)
         # The number of tokens each row generated up to and including its stop token; -1 while running.
-        self.lengths_B = torch.full((batch,), -1, dtype=torch.int64, device=self.device)
-        self.tokens: list[Tensor] = [input_ids_BS]
+        self.lengths_B = torch.full((batch,), -1, dtype=torch.int64, device=device)
+        # The prompts, then one column per step (pad ids until written).
+        self.tokens_BL = input_ids_BS.new_full((batch, self.prompt_length + max_new_tokens), self.stop.pad_id)
+        self.tokens_BL[:, : self.prompt_length] = input_ids_BS
         self.steps = 0
         self._pending: tuple[Tensor, Tensor | None] | None = (input_ids_BS, attention_mask_BS)
+        self._prompt_last_B = torch.full((batch,), self.prompt_length - 1, device=device)
+        self._newest_B = torch.zeros(batch, dtype=torch.int64, device=device)  # a decode step's only position
+        self._eos_E = to_device(torch.tensor(self.stop.eos_ids, dtype=input_ids_BS.dtype), device)
+        self._sequences = [
+            to_device(torch.tensor(seq, dtype=input_ids_BS.dtype), device) for seq in self.stop.stop_sequences
+        ]
+        self._uniform_NB: Tensor | None = None  # [block, B]: the numbers of the current block of steps
 
     @property
     def done(self) -> bool:
@@ -151,41 +168,55 @@ class Generation:
         if self.steps >= self.max_new_tokens or self._pending is None:
             raise RuntimeError(f"generation already took its {self.max_new_tokens} steps")
         input_BS, mask_BS = self._pending
-        last_B = torch.full((input_BS.shape[0],), input_BS.shape[1] - 1, device=self.device)
+        last_B = self._prompt_last_B if self.steps == 0 else self._newest_B
         logits_BV = self.model(input_BS, self.cache, mask_BS, last_B)
-        uniform_B = None if self.sampling.greedy else self._uniform().to(self.device)
-        next_B = pick_next(logits_BV, self.sampling, uniform_B)
-        next_B = torch.where(self.finished_B, torch.full_like(next_B, self.stop.pad_id), next_B)
-        self.tokens.append(next_B[:, None])
+        uniform_B = None if self.sampling.greedy else self._uniform()
+        next_B = pick_next(logits_BV, self.sampling, uniform_B).masked_fill(self.finished_B, self.stop.pad_id)
+        self.tokens_BL[:, self.prompt_length + self.steps] = next_B
         self.steps += 1
         stopped_B = self._stops(next_B)
-        self.lengths_B = torch.where(stopped_B, self.steps, self.lengths_B)
+        self.lengths_B.masked_fill_(stopped_B, self.steps)
         self.finished_B |= stopped_B
         self._pending = (next_B[:, None], None)
         return next_B
 
     def _uniform(self) -> Tensor:
-        """``[B]`` this step's number of each row, from ``(seed, global row, step)`` alone."""
+        """``[B]`` this step's number of each row on the device, from ``(seed, global row, step)`` alone."""
+        offset = self.steps % UNIFORM_BLOCK
+        if offset == 0 or self._uniform_NB is None:
+            first = self.steps - offset
+            count = min(UNIFORM_BLOCK, self.max_new_tokens - first)
+            self._uniform_NB = to_device(self._numbers(first, count), self.device)
+        return self._uniform_NB[offset]
+
+    def _numbers(self, first_step: int, count: int) -> Tensor:
+        """``[count, B]`` on the host: row ``b``'s number at each step from ``first_step`` (one generator each)."""
         numbers = []
-        for row in self.row_ids:
-            key = (self.sampling.seed * _MIX[0] + row * _MIX[1] + self.steps * _MIX[2]) % 2**63
-            numbers.append(torch.rand(1, generator=torch.Generator().manual_seed(key)))
-        return torch.cat(numbers)
+        for step in range(first_step, first_step + count):
+            for row in self.row_ids:
+                key = (self.sampling.seed * _MIX[0] + row * _MIX[1] + step * _MIX[2]) % 2**63
+                numbers.append(torch.rand(1, generator=torch.Generator().manual_seed(key)))
+        return torch.cat(numbers).view(count, len(self.row_ids))
 
     def _stops(self, next_B: Tensor) -> Tensor:
-        """Rows whose newest token is an eos id or ends a stop sequence."""
-        stops_B = torch.isin(next_B, torch.tensor(self.stop.eos_ids, dtype=next_B.dtype, device=self.device))
-        if self.stop.stop_sequences:
-            generated_BN = torch.cat(self.tokens[1:], dim=1)
-            for sequence in self.stop.stop_sequences:
-                if generated_BN.shape[1] >= len(sequence):
-                    tail = torch.tensor(sequence, dtype=next_B.dtype, device=self.device)
-                    stops_B |= (generated_BN[:, -len(sequence) :] == tail).all(dim=1)
+        """Rows whose newest token is an eos id or ends a stop sequence (one that fits in the generated tokens)."""
+        stops_B = torch.isin(next_B, self._eos_E)
+        end = self.prompt_length + self.steps
+        for sequence_N in self._sequences:
+            if self.steps >= len(sequence_N):
+                stops_B |= (self.tokens_BL[:, end - len(sequence_N) : end] == sequence_N).all(dim=1)
         return stops_B & ~self.finished_B
 
     def result(self) -> Tensor:
-        """``[B, S + steps]``: the prompts and every token generated so far."""
-        return torch.cat(self.tokens, dim=1)
+        """``[B, S + steps]``: the prompts and every token generated so far (a view of the output buffer)."""
+        return self.tokens_BL[:, : self.prompt_length + self.steps]
+
+
+def to_device(host: Tensor, device: torch.device) -> Tensor:
+    """``host`` on ``device`` without making the host wait: pinned and copied non-blocking to a CUDA device."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 @torch.inference_mode()
@@ -217,7 +248,7 @@ def generate(
         generation.step()
         if stop_early and generation.done:
             break
-    return generation.result()
+    return generation.result().contiguous()
 
 
 def stop_rules(
@@ -250,6 +281,9 @@ def trim_finished(tokens_BL: Tensor, prompt_length: int, lengths_B: Tensor) -> T
         return tokens_BL
     return tokens_BL[:, : prompt_length + int(lengths_B.max())]
 
+
+# Steps whose sampling numbers are drawn together (one host -> device copy per block).
+UNIFORM_BLOCK = 32
 
 # Odd 64-bit constants (splitmix64's) that spread (seed, row, step) over distinct generator seeds.
 _MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)

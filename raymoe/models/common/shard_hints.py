@@ -14,10 +14,22 @@ the parallel styles (:mod:`raymoe.parallel.styles`) read them:
     output_bias         on an experts module: the name of the bias added once to each routed
                         pair's output ([E, H]); a style whose ranks each add a partial sum of the
                         output adds 1/size of it on each rank when it is not split
+    float32_parameters  on a module: names of its parameters held and used in float32 whatever the
+                        model's dtype (a router's selection bias, as transformers keeps it)
 """
+
+from __future__ import annotations
+
+from torch import nn
 
 SHARD_BLOCK_ATTR = "tp_block_size"
 NUM_EXPERTS_ATTR = "num_experts"
 ROPE_DIM_ATTR = "qk_rope_head_dim"
 EXPERT_BATCHED_ATTR = "expert_batched"
 OUTPUT_BIAS_ATTR = "output_bias"
+FLOAT32_ATTR = "float32_parameters"
+
+
+def float32_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules of ``model`` (by path) that keep some parameters in float32."""
+    return {path: module for path, module in model.named_modules() if getattr(module, FLOAT32_ATTR, ())}

@@ -106,6 +106,8 @@ class TopKRouter(nn.Module):
         self.e_score_correction_bias = (
             nn.Parameter(torch.zeros(num_experts), requires_grad=False) if selection_bias else None
         )
+        # Held in float32 whatever the model's dtype: its bias-balancing steps (~1e-3) vanish in bf16.
+        self.float32_parameters = ("e_score_correction_bias",) if selection_bias else ()
         # Training settings: keep a RoutingRecord of each forward; drop pairs beyond this capacity factor.
         self.record = False
         self.capacity_factor: float | None = None
