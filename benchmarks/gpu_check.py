@@ -1,6 +1,7 @@
-"""The GPU check of issue 18: raymoe's Qwen3-MoE block and one-rank training on one GPU, against transformers.
+"""The GPU check of issues 18 and 36: raymoe's Qwen3-MoE block and one-rank training on one GPU, against
+transformers, and the readiness paths of issue 36 (benchmarks/gpu_readiness.py).
 
-Two parts, both in bf16 at the shape of Qwen/Qwen3-30B-A3B (hidden 2048, 128 experts, top-8, expert
+Three parts, the first two in bf16 at the shape of Qwen/Qwen3-30B-A3B (hidden 2048, 128 experts, top-8, expert
 intermediate 768):
 
     block   raymoe's SparseMoeBlock (router + GroupedExperts on torch._grouped_mm), forward + backward on
@@ -14,6 +15,11 @@ intermediate 768):
             a step over the median step time after warm-up) and peak GPU memory (max_memory_allocated: in
             this process for transformers, read on the rank for raymoe). The systems alternate for
             --rounds rounds, each keeping its best round.
+
+    readiness   one rank in this process on tiny bf16 checkpoints: the default precision policy, 4 micro-batches
+            against 1 (peak memory), fsdp_cpu_offload with bias balancing, async save_state / load_state
+            (peak of the load against the state's bytes) and generate, with host syncs counted by raymoe's
+            meter and by torch.cuda.set_sync_debug_mode("warn") (benchmarks/gpu_readiness.py)
 
 FLOPs of the block per token: routed experts 3 matmuls (gate, up, down) of 2*H*I per (token, expert)
 pair, the router 2*H*E; the backward counts twice the forward (input and weight gradients).
@@ -42,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gpu_readiness import run_readiness
 from torch import Tensor, nn
 
 # Dense (no sparsity) bf16 tensor-core peaks from the vendors' datasheets, in TFLOP/s; the first name
@@ -521,7 +528,9 @@ def default_out() -> Path:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; CPU fp32 without a GPU")
-    parser.add_argument("--parts", nargs="+", choices=["block", "train"], default=["block", "train"])
+    parser.add_argument(
+        "--parts", nargs="+", choices=["block", "train", "readiness"], default=["block", "train", "readiness"]
+    )
     parser.add_argument("--block-tokens", type=int, help="tokens of the block part (default 8192; smoke 256)")
     parser.add_argument("--batch", type=int, help="training rows per step (default 4; smoke 2)")
     parser.add_argument("--seq", type=int, help="training sequence length (default 2048; smoke 32)")
@@ -615,6 +624,9 @@ def main(argv: list[str] | None = None) -> None:
     if "train" in args.parts:
         result["train"] = run_train(shape, settings)
         print_train(result["train"])
+    if "readiness" in args.parts:
+        release_memory(settings.device)
+        result["readiness"] = run_readiness(settings.device)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {args.out}")

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The GPU check of issue 18 (benchmarks/gpu_check.py): raymoe's bf16 Qwen3-MoE block forward+backward
-# (TFLOP/s, % of the GPU's peak) and one-rank training of a 2-layer Qwen3-30B-A3B slice against transformers
-# (tokens/s, peak memory), NCCL chosen by the rank. Under 5 minutes on one H100/H200 at the defaults.
+# The GPU check of issues 18 and 36 (benchmarks/gpu_check.py): raymoe's bf16 Qwen3-MoE block forward+backward
+# (TFLOP/s, % of the GPU's peak), one-rank training of a 2-layer Qwen3-30B-A3B slice against transformers
+# (tokens/s, peak memory), NCCL chosen by the rank, and the readiness paths of issue 36 on tiny bf16 models
+# (benchmarks/gpu_readiness.py: the default precision policy, sharded accumulation, CPU offload with bias
+# balancing, async save_state / load_state, generate; host syncs counted under set_sync_debug_mode("warn")).
+# It prints the torch / transformers / ray versions it ran on. Under 5 minutes on one H100/H200 at the defaults.
 # Not part of `make test`. Arguments go to gpu_check.py (--smoke, --parts block train, --out FILE, ...).
 #
 #   bash benchmarks/gpu_check.sh --smoke                   # here, on CPU: tiny shapes, figures not meaningful

@@ -110,7 +110,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--eval-fraction", type=float, default=0.1, help="share of sequences held out for eval (default: %(default)s)"
     )
     data.add_argument(
-        "--dtype", help="weights dtype on the ranks: float32, bfloat16 or float16 (default: the checkpoint's)"
+        "--dtype", help="compute dtype on the ranks: float32, bfloat16 or float16 (default: the checkpoint's)"
+    )
+    data.add_argument(
+        "--precision",
+        choices=["auto", "bf16-mixed", "fp32", "bf16-pure"],
+        default="auto",
+        help="where weights, gradients and AdamW states are held: auto (default) is bf16-mixed for a bf16 "
+        "checkpoint (fp32 masters, bf16 compute) and fp32 for an fp32 one; bf16-pure loses small updates",
     )
 
     layout = parser.add_argument_group(f"layout (unset sizes come from DEFAULT_LAYOUT: {DEFAULT_LAYOUT})")
@@ -325,7 +332,11 @@ def run(args: argparse.Namespace) -> raymoe.TrainSummary:
     if data.report is not None:
         print(f"data: {data.report.summary()}")
     with raymoe.from_pretrained(
-        model_source, distributed_config=layout, dtype=args.dtype, cpus_per_rank=args.cpus_per_rank
+        model_source,
+        distributed_config=layout,
+        dtype=args.dtype,
+        precision=args.precision,
+        cpus_per_rank=args.cpus_per_rank,
     ) as model:
         print(model.describe())
         trainer = raymoe.Trainer(model, train_data, config, eval_data=eval_data, tokenizer=tokenizer)

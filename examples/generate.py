@@ -35,6 +35,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ep-size", type=int, help="expert-parallel degree")
     parser.add_argument("--cpus-per-rank", type=float, default=1.0, help="(default: %(default)s)")
     parser.add_argument(
+        "--precision",
+        choices=["auto", "bf16-mixed", "fp32", "bf16-pure"],
+        default="auto",
+        help="auto (default): the checkpoint's dtype (fp32 masters for a bf16 one); bf16-pure holds half the "
+        "bytes of bf16-mixed and gives the same tokens",
+    )
+    parser.add_argument(
         "--output-dir", type=Path, default=Path("runs/generate"), help="where the embedded model is built"
     )
     return parser.parse_args(argv)
@@ -56,7 +63,9 @@ def run(args: argparse.Namespace) -> list[list[int]]:
         "top_p": args.top_p,
         "seed": args.seed,
     }
-    with raymoe.from_pretrained(source, distributed_config=layout, cpus_per_rank=args.cpus_per_rank) as model:
+    with raymoe.from_pretrained(
+        source, distributed_config=layout, precision=args.precision, cpus_per_rank=args.cpus_per_rank
+    ) as model:
         if len(prompts) > 1:
             rows = model.generate(prompts, args.max_new_tokens, **options)
             assert isinstance(rows, list)  # lists in, lists out

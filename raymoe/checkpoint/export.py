@@ -50,9 +50,10 @@ def export_state(
 ) -> list[Path]:
     """Write the model weights of the training state ``state_dir`` as a hub checkpoint into ``out_dir``.
 
-    Every parameter is written in the dtype the state stores it in (a float32 state gives a float32
-    checkpoint); ``config.json`` is the manifest's model config with that dtype. The shapes are the
-    state's global ones, so a state saved under any layout and world size exports the same way.
+    Every parameter is written in the dtype ``save_pretrained`` of the model would write (the manifest's
+    ``checkpoint_dtype``: the checkpoint's own, not the float32 masters a mixed-precision state holds; a state
+    without it: the dtype the state stores); ``config.json`` is the manifest's model config with that dtype.
+    The shapes are the state's global ones, so a state saved under any layout and world size exports the same way.
 
     One process, no process group, no cluster: parameters are read one at a time (DCP ``no_dist``, only the
     bytes of that entry), so memory is about one parameter plus the writer's current shard (the copies it
@@ -75,7 +76,12 @@ def export_state(
     metadata = read_metadata(state_dir)
     model = build_model(config, device="meta", dtype=_stored_dtype(metadata, _DTYPE_ENTRY) or torch.float32)
     check_training_state(state_dir, model, config.model_type, with_optimizer=False)
-    return save_model(model, out_dir, max_shard_size=max_shard_size, tensors=_read_parameters(state_dir, model))
+    named = manifest.checkpoint_dtype
+    written = getattr(torch, named, None) if named else None
+    if named and not isinstance(written, torch.dtype):
+        raise TrainingStateError(f"training state {state_dir}: checkpoint_dtype={named!r} is not a torch dtype")
+    tensors = _read_parameters(state_dir, model)
+    return save_model(model, out_dir, max_shard_size=max_shard_size, tensors=tensors, dtype=written)
 
 
 def _stored_dtype(metadata: Metadata, key: str) -> torch.dtype | None:

@@ -65,7 +65,9 @@ def state_dir_name(step: int) -> str:
 @dataclass(frozen=True)
 class StateManifest:
     """``raymoe_state.json``: what a state holds beyond its tensors. ``extra`` is the caller's (the Trainer's
-    data position); ``saved_layout`` (the ``DistributedConfig`` it was saved under) is for people reading it."""
+    data position); ``saved_layout`` (the ``DistributedConfig`` it was saved under) is for people reading it.
+    ``checkpoint_dtype``: what ``save_pretrained`` writes for this model (the precision policy's, not the master
+    dtype the state holds), which ``raymoe export`` writes too; None in states written before it was recorded."""
 
     model_config: dict[str, Any]
     step: int
@@ -74,6 +76,7 @@ class StateManifest:
     world_size: int
     saved_layout: dict[str, Any]
     extra: dict[str, Any] = field(default_factory=dict)
+    checkpoint_dtype: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -86,6 +89,7 @@ class StateManifest:
             "optimizer": self.optimizer,
             "balance": self.balance,
             "extra": self.extra,
+            "checkpoint_dtype": self.checkpoint_dtype,
             "model_config": self.model_config,
         }
 
@@ -105,9 +109,16 @@ class StateManifest:
                 world_size=int(raw["world_size"]),
                 saved_layout=dict(raw["saved_layout"]),
                 extra=dict(raw.get("extra") or {}),
+                checkpoint_dtype=_optional_str(raw.get("checkpoint_dtype")),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise TrainingStateError(f"{directory / MANIFEST_FILE} lacks or garbles a field: {error!r}") from error
+
+
+def _optional_str(value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"checkpoint_dtype={value!r} must be a string or null")
+    return value
 
 
 def read_manifest(directory: str | os.PathLike[str]) -> StateManifest:

@@ -72,6 +72,7 @@ class TrainingStates:
             world_size=topology.world_size,
             saved_layout=topology.config.model_dump(mode="json"),
             extra=checked_extra,
+            checkpoint_dtype=str(self.session.precision.checkpoint).removeprefix("torch."),
         )
         request = StateRequest(str(staging_directory(target)), str(target), manifest.to_json(), async_save)
         answers: list[StateAnswer] = self.fanout.every_rank(save_training_state, request)

@@ -198,3 +198,23 @@ def test_export_into_a_checkpoint_keeps_its_tokenizer(trained_state, tiny_checkp
     loaded = load_model(out)
     for key, tensor in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], tensor), key
+
+
+def test_a_mixed_precision_state_exports_the_checkpoints_dtype(trained_state, tmp_path):
+    """A bf16 checkpoint trained under bf16-mixed holds float32 masters; the manifest's ``checkpoint_dtype`` makes
+    the export what ``save_pretrained`` would write (bf16), and without it (an older state) it stays float32."""
+    model, state_dir = trained_state(MOE)  # float32 masters
+    state = shutil.copytree(state_dir, tmp_path / "state" / state_dir.name)
+    manifest = json.loads((state / MANIFEST_FILE).read_text())
+    export_state(state, tmp_path / "old")
+    assert _dtypes(tmp_path / "old") == {"F32"}
+    (state / MANIFEST_FILE).write_text(json.dumps({**manifest, "checkpoint_dtype": "bfloat16"}))
+    export_state(state, tmp_path / "hub")
+    assert json.loads((tmp_path / "hub" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert _dtypes(tmp_path / "hub") == {"BF16"}
+    loaded = load_model(tmp_path / "hub")
+    for key, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], tensor.to(torch.bfloat16)), key
+    (state / MANIFEST_FILE).write_text(json.dumps({**manifest, "checkpoint_dtype": "bfloat17"}))
+    with pytest.raises(TrainingStateError, match="checkpoint_dtype='bfloat17' is not a torch dtype"):
+        export_state(state, tmp_path / "bad")

@@ -18,12 +18,11 @@ LR, WEIGHT_DECAY, STEPS, ROWS, SEQ = 1e-3, 0.1, 3, 8, 10
 MICRO = 2  # micro-batches of the counted step
 
 
-def counted_step(ctx, vocab: int) -> tuple[int, int, int, dict[str, int]]:
-    """A training step of ``MICRO`` micro-batches (the same rows on every rank), the second of two, under the meter:
-    ``(syncs, token-dispatch syncs, MoE layers this rank holds, {site: count})``."""
+def counted_step(ctx, vocab: int) -> tuple[int, int, int, int, dict[str, int]]:
+    """A training step of ``MICRO`` micro-batches (the same rows on every rank), the second of two, under the meter
+    (:func:`_budget_parts`)."""
     import torch
 
-    from raymoe.rank.balance import routers
     from raymoe.rank.contract import MicroBatch
     from raymoe.rank.host_syncs import HostSyncs
     from raymoe.rank.train import train_step
@@ -34,18 +33,52 @@ def counted_step(ctx, vocab: int) -> tuple[int, int, int, dict[str, int]]:
     train_step(ctx, [micro] * MICRO, global_tokens=tokens)  # a pipeline's first step of a shape sets it up
     with HostSyncs() as syncs:
         train_step(ctx, [micro] * MICRO, global_tokens=tokens)
+    return _budget_parts(ctx, syncs)
+
+
+def counted_decode(ctx, vocab: int, new_tokens: int) -> tuple[int, int, int, int, dict[str, int]]:
+    """``generate_tokens`` of ``new_tokens`` steps (sampling; stop rules that stop nothing, so every rank steps them
+    all) under the meter (:func:`_budget_parts`)."""
+    import torch
+
+    from raymoe.models.common.generation import SamplingConfig, StopRules
+    from raymoe.rank.contract import DecodeRequest
+    from raymoe.rank.host_syncs import HostSyncs
+    from raymoe.rank.infer import generate_tokens
+
+    ids = torch.randint(1, vocab, (2, 6), generator=torch.Generator().manual_seed(0))
+    request = DecodeRequest(new_tokens, SamplingConfig(do_sample=True, seed=3), StopRules(eos_ids=(), pad_id=0))
+    with HostSyncs() as syncs:
+        generate_tokens(ctx, ids, None, torch.arange(2), request)
+    return _budget_parts(ctx, syncs)
+
+
+def _budget_parts(ctx, syncs) -> tuple[int, int, int, int, dict[str, int]]:
+    """``(syncs, dispatch, fallback, MoE layers this rank holds, {site: count})``: besides one per step or token the
+    budget grants token dispatch's split sizes (``dispatch``) and the reads of the padded grouped-GEMM fallback
+    (``fallback``: it serves shapes ``torch._grouped_mm`` refuses, e.g. the tiny gpt-oss on CPU, and reads its
+    largest expert's row count once per expert matmul; hub shapes in bf16 on a GPU take ``torch._grouped_mm``)."""
+    from raymoe.rank.balance import routers
+
     dispatch = sum(n for site, n in syncs.sites.items() if "/styles/dispatch.py:" in site)
+    fallback = sum(n for site, n in syncs.sites.items() if "/moe/grouped_mm.py:" in site)
     moe_layers = sum(len(routers(part)) for part in ctx.require_model().parts)
-    return syncs.count, dispatch, moe_layers, dict(syncs.sites)
+    return syncs.count, dispatch, fallback, moe_layers, dict(syncs.sites)
 
 
-def check_step_syncs(model, vocab: int) -> None:
-    """The sync budget of a training step (issue 36): one device -> host sync (the step's answer), plus under token
-    dispatch the all-to-all split sizes, one per MoE layer and micro-batch (again in recomputation)."""
+def check_sync_budgets(model, vocab: int) -> None:
+    """The sync budgets (issue 36) of a training step: one device -> host sync (the step's answer), plus under token
+    dispatch the all-to-all split sizes, one per MoE layer and micro-batch (again in recomputation); and of
+    decoding: one per token (plus one read of the rows' host ids when it starts, which the CPU meter counts), plus
+    the split sizes at each forward. The padded GEMM fallback's reads are granted too (:func:`_budget_parts`)."""
     recomputed = 2 if model.topology.config.activation_checkpointing != "none" else 1
-    for syncs, dispatch, moe_layers, sites in model.run_on_ranks(counted_step, vocab):
-        assert syncs - dispatch <= 1, sites
+    for syncs, dispatch, fallback, moe_layers, sites in model.run_on_ranks(counted_step, vocab):
+        assert syncs - dispatch - fallback <= 1, sites
         assert dispatch in (0, moe_layers * MICRO * recomputed), sites
+    new_tokens = 5
+    for syncs, dispatch, fallback, moe_layers, sites in model.run_on_ranks(counted_decode, vocab, new_tokens):
+        assert syncs - dispatch - fallback <= new_tokens + 1, sites
+        assert dispatch in (0, moe_layers * new_tokens), sites
 
 
 TORCH_BETAS = (0.9, 0.999)  # the reference runs torch.optim.AdamW with its defaults, no clipping
@@ -105,7 +138,7 @@ def check_layout(
                 prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False
             )
             assert model.generate(prompt[0:1].tolist(), 4) == [expected[0].tolist()]
-            check_step_syncs(model, vocab=hf_model.config.vocab_size)
+            check_sync_budgets(model, vocab=hf_model.config.vocab_size)
         return metrics
 
     return check

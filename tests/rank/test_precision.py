@@ -2,16 +2,21 @@
 master weights and AdamW states and computes in bf16, so small updates survive; pure bf16, asked for, loses them;
 a router's selection bias stays float32 and moves; checkpoints are written in the checkpoint's dtype.
 
-One rank in the test's process (``load_local``): a mixed policy wraps even a world of one in FSDP2 for its casts.
+Mostly one rank in the test's process (``load_local``): a mixed policy wraps even a world of one in FSDP2 for its
+casts; the last test trains other layouts on Ray.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 
 import pytest
 import torch
+from ray import cloudpickle
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 MOE = "moe_e8_k2_mha"
 DEEPSEEK = "deepseekv3_e8_k2_qproj_bias"
@@ -36,10 +41,10 @@ def held_parameters(ctx) -> dict[str, torch.Tensor]:
     """Every trainable parameter of the rank's model as held (the master copy), in full."""
     from torch.distributed.tensor import DTensor
 
-    model = ctx.require_model().model
     return {
         name: (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
-        for name, param in model.named_parameters()
+        for part in ctx.require_model().parts
+        for name, param in part.named_parameters()
         if param.requires_grad
     }
 
@@ -139,3 +144,42 @@ def test_save_pretrained_writes_the_checkpoints_dtype_not_the_masters(load_local
     biases = {name for name in dtypes if name.endswith("e_score_correction_bias")}
     assert biases and {dtypes[name] for name in biases} == {"F32"}  # as transformers keeps it
     assert {dtype for name, dtype in dtypes.items() if name not in biases} == {"BF16"}
+
+
+def test_cpu_offload_with_bias_balancing_moves_the_bias(load_local, bf16_checkpoint, padded_batches):
+    """``fsdp_cpu_offload``: the router's shard lives on the host, the step's load on the device (the same memory
+    here, on CPU); the bias step is cut on the device and added where the shard lives."""
+    batches = padded_batches(96, steps=2, rows=8, seq=12)
+    with load_local(bf16_checkpoint(DEEPSEEK), {"fsdp_cpu_offload": True}) as model:
+        before = model.run_on_ranks(selection_biases)[0]
+        model.configure_training(lr=LR, balance="bias", bias_update_rate=1e-3)
+        for ids, mask in batches:
+            model.train_step(ids, attention_mask=mask)
+        after = model.run_on_ranks(selection_biases)[0]
+    assert all(b.dtype == torch.float32 for b in after)
+    assert max(float((b1 - b0).abs().max()) for b0, b1 in zip(before, after, strict=True)) >= 1e-3 * 0.99
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [{"tp_size": 2}, {"pp_size": 2}, {"fsdp_size": 2, "ep_size": 2}],
+    ids=["tp2", "pp2", "fsdp2-ep2"],  # without data parallelism (FSDP2 over one rank), a pipeline, token dispatch
+)
+def test_every_layout_trains_a_bf16_checkpoint_with_float32_masters(
+    load_on_world, load_local, bf16_checkpoint, padded_batches, layout
+):
+    checkpoint = bf16_checkpoint(MOE)
+    batches = padded_batches(96, steps=3, rows=8, seq=12)
+    with load_local(checkpoint, precision="fp32") as model:
+        want = train(model, batches)
+    with load_on_world(checkpoint, layout) as model:
+        assert (model.precision.master, model.precision.compute) == (torch.float32, torch.bfloat16)
+        before = model.run_on_ranks(held_parameters)
+        got = train(model, batches)
+        after = model.run_on_ranks(held_parameters)
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert abs(g - w) <= 1e-3 * abs(w), (step, g, w)
+    # the embedding rows of tokens three steps never saw have no gradient (and no decay here): left out
+    trained = [{name: value for name, value in b.items() if "embed_tokens" not in name} for b in before]
+    changed = [changed_fraction(b, a) for b, a in zip(trained, after, strict=True) if b]
+    assert changed and min(changed) >= 0.99, changed
