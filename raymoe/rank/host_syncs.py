@@ -17,7 +17,7 @@ same calls are made, so counting the calls measures the budget on any machine::
 Reading a tensor the meter saw brought to the host (``host = t.cpu(); float(host[0])``) is free and not
 counted. On CPU a ``.cpu()`` or ``.to(device)`` of a tensor that was never on a device counts too (the meter
 cannot tell host from device there), so code on the hot path keeps host-side metadata as Python values, copies
-with :func:`raymoe.rank.transfer.to_device` (no call at all when the tensor is where it goes) and never
+with :func:`raymoe.models.common.transfer.to_device` (no call at all when the tensor is where it goes) and never
 ``.to()``-s a tensor to the device it is on. On a GPU,
 ``torch.cuda.set_sync_debug_mode("warn")`` reports the real syncs (``benchmarks/gpu_check.sh``).
 """

@@ -19,7 +19,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from raymoe.models.common.decoder import CausalLM
-from raymoe.models.common.generation import Generation, to_device
+from raymoe.models.common.generation import Generation
+from raymoe.models.common.transfer import to_device
 from raymoe.parallel.fsdp import keep_unsharded, release_unsharded, reshard
 from raymoe.rank.context import RankContext
 from raymoe.rank.contract import DecodeRequest

@@ -30,10 +30,10 @@ from torch.distributed.tensor import DTensor
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.kv_cache import KVCache
 from raymoe.models.common.loss import causal_lm_loss
+from raymoe.models.common.transfer import to_device
 from raymoe.parallel.vocab_parallel import vocab_parallel_loss, whole
 from raymoe.rank.contract import MicroBatch
 from raymoe.rank.runner import Backward, PartCall
-from raymoe.rank.transfer import to_device
 from raymoe.spec.pipeline import StagePlan
 from raymoe.spec.topology import Axis
 

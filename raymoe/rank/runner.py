@@ -26,10 +26,10 @@ from torch.distributed.tensor import DTensor
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.generation import Decoder
 from raymoe.models.common.loss import causal_lm_loss
+from raymoe.models.common.transfer import to_device
 from raymoe.parallel.vocab_parallel import vocab_parallel_loss, whole
 from raymoe.rank.balance import Routing, aux_loss, collect_routing
 from raymoe.rank.contract import MicroBatch
-from raymoe.rank.transfer import to_device
 
 if TYPE_CHECKING:
     from raymoe.rank.context import RankContext, Training

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from raymoe.models.common.config import ModelConfig
 from raymoe.models.common.decoder import CausalLM
+from raymoe.models.common.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -210,13 +211,6 @@ class Generation:
     def result(self) -> Tensor:
         """``[B, S + steps]``: the prompts and every token generated so far (a view of the output buffer)."""
         return self.tokens_BL[:, : self.prompt_length + self.steps]
-
-
-def to_device(host: Tensor, device: torch.device) -> Tensor:
-    """``host`` on ``device`` without making the host wait: pinned and copied non-blocking to a CUDA device."""
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 @torch.inference_mode()
