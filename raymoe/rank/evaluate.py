@@ -11,6 +11,7 @@ from torch import Tensor
 
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.loss import causal_lm_loss
+from raymoe.models.common.transfer import to_device
 from raymoe.parallel.fsdp import reshard
 from raymoe.parallel.vocab_parallel import vocab_parallel_loss, whole
 from raymoe.rank.context import RankContext
@@ -28,9 +29,9 @@ def eval_loss(ctx: RankContext, micro_batches: list[MicroBatch]) -> float:
     loaded = ctx.require_model()
     for part in loaded.parts:
         part.eval()
-    loss_sum = torch.zeros((), dtype=torch.float32)
+    loss_sum = torch.zeros((), dtype=torch.float32, device=ctx.device)
     for micro in micro_batches:
-        documents = micro.document_ids.to(ctx.device) if micro.document_ids is not None else None
+        documents = to_device(micro.document_ids, ctx.device) if micro.document_ids is not None else None
 
         def run(part: CausalLM, inputs: Tensor, documents: Tensor | None = documents) -> Tensor:
             out: Tensor = part(inputs, document_ids_BS=documents)
@@ -39,8 +40,9 @@ def eval_loss(ctx: RankContext, micro_batches: list[MicroBatch]) -> float:
         with vocab_parallel_loss(loaded.parts[-1]):
             logits = loaded.runner.forward(ctx, micro.input_ids, run)
             if logits is not None:
-                loss_sum += whole(causal_lm_loss(logits, micro.labels.to(ctx.device), reduction="sum")).float().cpu()
+                labels = to_device(micro.labels, ctx.device)
+                loss_sum += whole(causal_lm_loss(logits, labels, reduction="sum")).float()
     # FSDP units keep their gathered weights after a no-grad forward; a later train step must not use them.
     for part in loaded.parts:
         reshard(part)
-    return float(loss_sum)
+    return float(loss_sum.cpu())  # the evaluation's one wait for the device

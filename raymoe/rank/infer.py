@@ -38,9 +38,9 @@ def forward_logits(
     """``logits [B_local, S, V]`` (``[B_local, V]`` at each row's last real token with ``last_only``) on CPU,
     from the first rank of each tp group; None elsewhere (same rows). ``document_ids``: packed rows."""
     loaded = ctx.require_model()
-    mask = attention_mask_BS.to(ctx.device) if attention_mask_BS is not None else None
-    documents = document_ids_BS.to(ctx.device) if document_ids_BS is not None else None
-    last_B = _last_real(input_ids_BS, attention_mask_BS).to(ctx.device) if last_only else None
+    mask = to_device(attention_mask_BS, ctx.device) if attention_mask_BS is not None else None
+    documents = to_device(document_ids_BS, ctx.device) if document_ids_BS is not None else None
+    last_B = to_device(_last_real(input_ids_BS, attention_mask_BS), ctx.device) if last_only else None
     for part in loaded.parts:
         part.eval()
 

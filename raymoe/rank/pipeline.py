@@ -97,7 +97,7 @@ class PipelineStages:
                 continue
             part = parts[stage]
             if plan.is_first(stage):
-                inputs = input_ids_BS.to(ctx.device)
+                inputs = to_device(input_ids_BS, ctx.device)
             else:
                 inputs = torch.empty(rows, width, hidden_size, dtype=torch.float32, device=ctx.device)
                 dist.recv(inputs, group=group, group_src=plan.rank_of(stage - 1))

@@ -102,7 +102,7 @@ class WholeModel:
         return self.model
 
     def forward(self, ctx: RankContext, input_ids_BS: Tensor, run: PartCall) -> Tensor:
-        return run(self.model, input_ids_BS.to(ctx.device))
+        return run(self.model, to_device(input_ids_BS, ctx.device))
 
     def decoder(self, ctx: RankContext) -> CausalLM:
         return self.model
