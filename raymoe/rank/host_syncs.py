@@ -15,7 +15,8 @@ same calls are made, so counting the calls measures the budget on any machine::
     syncs.sites        # Counter({"raymoe/parallel/styles/dispatch.py:88 tolist": 4, ...})
 
 Reading a tensor the meter saw brought to the host (``host = t.cpu(); float(host[0])``) is free and not
-counted. On CPU a ``.cpu()`` or ``.to(device)`` of a tensor that was never on a device counts too (the meter
+counted; reading ``t`` again is not (on CPU, where ``.cpu()`` returns ``t`` itself, the meter hands back a copy,
+as a GPU would). On CPU a ``.cpu()`` or ``.to(device)`` of a tensor that was never on a device counts too (the meter
 cannot tell host from device there), so code on the hot path keeps host-side metadata as Python values, copies
 with :func:`raymoe.models.common.transfer.to_device` (no call at all when the tensor is where it goes) and never
 ``.to()``-s a tensor to the device it is on. On a GPU,
@@ -79,10 +80,10 @@ class HostSyncs:
         if not (isinstance(tensor, torch.Tensor) and _storage(tensor) in self._host_storages):
             self.sites[f"{_caller()} {what}"] += 1
 
-    def on_host(self, result: Any) -> None:
-        if isinstance(result, torch.Tensor) and result.device.type == "cpu":
-            self._host.append(result)
-            self._host_storages.add(_storage(result))
+    def on_host(self, result: torch.Tensor) -> None:
+        """``result`` is a host copy: reading it later is free."""
+        self._host.append(result)
+        self._host_storages.add(_storage(result))
 
 
 class _ToHost(TorchFunctionMode):
@@ -96,7 +97,9 @@ class _ToHost(TorchFunctionMode):
         if counted:
             self.meter.record(func.__name__, args[0])
         result = func(*args, **kwargs)
-        if counted:
+        if counted and isinstance(result, torch.Tensor) and result.device.type == "cpu":
+            if _storage(result) == _storage(args[0]):  # on CPU, .cpu() is the tensor itself; on a GPU, a copy:
+                result = result.clone()  # so it is one here too, or reading the original later would pass as free
             self.meter.on_host(result)
         return result
 
@@ -128,7 +131,11 @@ def _blocking_copy(func: Any, args: Any, kwargs: Any) -> bool:
 
 
 def _storage(tensor: torch.Tensor) -> int:
-    return int(tensor.untyped_storage().data_ptr())
+    """The address of ``tensor``'s storage; 0 for one that holds none (FSDP2 frees by resizing storages to 0)."""
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except RuntimeError:
+        return 0
 
 
 def _is_mask(index: Any) -> bool:
