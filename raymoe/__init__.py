@@ -23,6 +23,7 @@ from raymoe.models.common.generation import generate
 from raymoe.parallel.styles import ExpertRole, ParallelStyle, register, unregister
 from raymoe.rank.local import LocalRankGroup
 from raymoe.spec.config import DistributedConfig
+from raymoe.spec.lora import LoraConfig
 from raymoe.spec.optimizer import OptimizerConfig
 from raymoe.spec.topology import Topology, build_topology
 
@@ -31,6 +32,7 @@ __all__ = [
     "DistributedModel",
     "ExpertRole",
     "LocalRankGroup",
+    "LoraConfig",
     "OptimizerConfig",
     "PackedData",
     "ParallelStyle",

@@ -19,6 +19,7 @@ from raymoe.driver.handle import DistributedModel
 from raymoe.rank.contract import DEFAULT_COLLECTIVE_TIMEOUT_S, Backend
 from raymoe.spec.config import DistributedConfig
 from raymoe.spec.launch import as_config, prepare_launch
+from raymoe.spec.lora import LoraConfig
 
 if TYPE_CHECKING:
     from actors.group import GroupOptions, RayRankGroup
@@ -39,6 +40,7 @@ def from_pretrained(
     backend: Backend | None = None,
     placement_timeout_s: float = 120.0,
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    lora: LoraConfig | str | os.PathLike[str] | dict[str, Any] | None = None,
 ) -> DistributedModel:
     """Load ``name_or_path`` (a local directory or a hub id) sharded over Ray rank actors.
 
@@ -46,6 +48,10 @@ def from_pretrained(
     states; bf16 compute; the default for a bf16 checkpoint), ``"fp32"``, ``"bf16-pure"`` (only when asked: small
     updates are lost) or ``None``/``"auto"``: the policy of ``dtype`` (the checkpoint's by default). For inference
     alone, ``"bf16-pure"`` holds half the bytes of ``"bf16-mixed"`` and gives the same logits.
+
+    ``lora`` (:mod:`raymoe.spec.lora`): a :class:`~raymoe.LoraConfig` adds fresh adapters, a directory loads a PEFT
+    adapter (``adapter_config.json`` + ``adapter_model.safetensors``, each rank its slices); the base is then
+    frozen (no gradients, no optimizer state) and held in the compute dtype, the adapters in ``lora_dtype``.
 
     A relative directory is taken from this process's working directory and sent to the ranks as an absolute
     path (rank processes may run elsewhere: another directory, another node).
@@ -79,6 +85,7 @@ def from_pretrained(
             revision=revision,
             cache_dir=cache_dir,
             precision=precision,
+            lora=lora,
         )
         return DistributedModel.launch(spec, world, owns_group=False)
 
@@ -101,6 +108,7 @@ def from_pretrained(
         revision=revision,
         cache_dir=cache_dir,
         precision=precision,
+        lora=lora,
     )
     options = _group_options(
         spec.topology.world_size, use_gpu, cpus_per_rank, backend, placement_timeout_s, collective_timeout_s

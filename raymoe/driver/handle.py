@@ -26,6 +26,7 @@ from torch import Tensor
 
 from raymoe.checkpoint.training_state import StateManifest
 from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE
+from raymoe.driver.adapters import describe_adapters, save_adapter
 from raymoe.driver.fanout import FanOut
 from raymoe.driver.group import RankGroup
 from raymoe.driver.hub_save import save_pretrained
@@ -111,7 +112,15 @@ class DistributedModel:
     def describe(self) -> str:
         """The rank picture of this layout (SPEC TOPO-3) and the precision policy."""
         num_experts = self.model_config.moe.num_experts if self.model_config.moe is not None else None
-        return f"{self.topology.describe(num_experts=num_experts)}\n{self.precision.describe()}"
+        text = f"{self.topology.describe(num_experts=num_experts)}\n{self.precision.describe()}"
+        if self._spec.lora is None:
+            return text
+        largest = max(self.load_reports, key=lambda report: report.bytes_held)
+        frozen_bytes = largest.bytes_held - largest.trainable_bytes
+        lines = describe_adapters(
+            self._spec, largest.trainable_params, largest.frozen_params, largest.trainable_bytes, frozen_bytes
+        )
+        return f"{text}\n{lines}"
 
     # --- inference ------------------------------------------------------------------------------
 
@@ -268,6 +277,13 @@ class DistributedModel:
         again, or keep training.
         """
         return save_pretrained(self._fanout, path, max_shard_size)
+
+    def save_adapter(self, path: str | os.PathLike[str]) -> list[Path]:
+        """Write the LoRA adapters as a PEFT directory at ``path`` (``adapter_config.json``,
+        ``adapter_model.safetensors``: the keys and shapes PEFT gives the transformers model of this family), so
+        ``peft.PeftModel.from_pretrained(transformers_model, path)`` and ``from_pretrained(..., lora=path)`` load
+        it. All or nothing, like :meth:`save_pretrained` (which writes the merged model, ``W + s B A``)."""
+        return save_adapter(self._fanout, self._spec, path)
 
     def save_state(
         self, path: str | os.PathLike[str], *, async_save: bool = False, extra: Mapping[str, Any] | None = None

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from raymoe.models.common.lora import lora_factors
 from raymoe.parallel.styles import ParallelStyle, builtin_styles, check_style_name
 from raymoe.parallel.styles.layouts import local_parameters
 
@@ -111,8 +112,15 @@ def _submodule(model: nn.Module, path: str, rule: str) -> nn.Module:
 def _param_targets(
     module_rules: Mapping[str, tuple[nn.Module, str]], param_rules: Mapping[str, _ParamTarget]
 ) -> list[_ParamTarget]:
-    """Every parameter with a rule, once: its own rule wins over its module's."""
+    """Every parameter with a rule, once: its own rule wins over its module's, and a LoRA factor follows the rule
+    of its base weight (:mod:`raymoe.parallel.adapters`)."""
     targets = dict(param_rules)
+    for target in param_rules.values():
+        owner_path = target.path.rpartition(".")[0]
+        for factor, (base_name, _) in lora_factors(target.module).items():
+            if base_name == target.name:
+                path = f"{owner_path}.{factor}" if owner_path else factor
+                targets[path] = _ParamTarget(path, target.module, factor, target.style_name)
     for path, (module, style_name) in module_rules.items():
         for name, param in module._parameters.items():
             param_path = f"{path}.{name}" if path else name

@@ -92,6 +92,9 @@ class LoadReport:
     bytes_read: int
     bytes_held: int
     precision: PrecisionPolicy
+    trainable_params: int = 0  # local elements of parameters that take gradients (all, or the LoRA factors)
+    trainable_bytes: int = 0
+    frozen_params: int = 0  # local elements of the others (a LoRA model's base)
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,14 @@ class SaveResult:
     files: tuple[str, ...] = ()
     error: str | None = None
     errno: int | None = None
+
+
+@dataclass(frozen=True)
+class AdapterTensors:
+    """One rank's answer to ``gather_adapters``: the full LoRA factors (CPU, by raymoe path) of the stage it answers
+    for (the first rank of each pipeline stage), empty on the others."""
+
+    tensors: dict[str, Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from raymoe.checkpoint.model_io import open_checkpoint
 from raymoe.checkpoint.reader import CheckpointReader
 from raymoe.models.common.decoder import CausalLM
+from raymoe.models.common.lora import adapter_parameters, is_adapter_name
 from raymoe.models.common.shard_hints import FLOAT32_ATTR, float32_modules
 from raymoe.parallel.activation_checkpoint import apply_activation_checkpointing
 from raymoe.parallel.apply import apply_rules
@@ -29,12 +30,14 @@ from raymoe.parallel.fsdp import FsdpUnits, apply_fsdp
 from raymoe.parallel.pipeline import paths_held, rules_held
 from raymoe.parallel.sharding import Block, read_local_shard
 from raymoe.parallel.styles import ParallelStyle
+from raymoe.rank.adapters import fill_adapters
 from raymoe.rank.context import LoadedModel, RankContext
 from raymoe.rank.contract import LoadReport
 from raymoe.rank.pipeline import PipelineStages
 from raymoe.rank.runner import StageRunner, WholeModel
 from raymoe.spec.config import DistributedConfig
-from raymoe.spec.launch import LaunchSpec
+from raymoe.spec.launch import DTYPES, LaunchSpec
+from raymoe.spec.lora import LoraSpec
 from raymoe.spec.plans import ResolvedPlans
 from raymoe.spec.precision import PrecisionPolicy, resolve_policy
 from raymoe.spec.topology import Axis
@@ -51,23 +54,44 @@ def load_shards(ctx: RankContext, spec: LaunchSpec) -> LoadReport:
     model = spec.build_meta_model()
     runner, pieces = _on_meta(spec, ctx, model)
     with open_checkpoint(spec.source, model, revision=spec.revision, cache_dir=spec.cache_dir) as reader:
-        reader.check({name: param.shape for name, param in model.named_parameters()}, model_name=type(model).__name__)
+        reader.check(
+            {name: param.shape for name, param in model.named_parameters() if not is_adapter_name(name)},
+            model_name=type(model).__name__,
+        )
         policy = resolve_policy(spec.precision, spec.torch_dtype, reader.dtype("model.embed_tokens.weight"))
         bytes_read = 0
         for part, plans in pieces:
-            hold_in(part, policy)
+            hold_in(part, policy, spec.lora)
             shard_on_meta(part, spec, ctx, plans, policy)
             part.to_empty(device=ctx.device)
             part.tie_weights()  # to_empty gives every parameter new storage, a tied head its own copy
             bytes_read += _read_shards(part, reader)
+            if spec.lora is not None:
+                fill_adapters(part, spec.lora)
     ctx.loaded = LoadedModel(runner, spec, policy)
-    return LoadReport(ctx.rank, bytes_read, sum(_bytes_held(part) for part in runner.parts), policy)
+    trainable = [_local(p) for part in runner.parts for p in part.parameters() if p.requires_grad]
+    frozen = [_local(p) for part in runner.parts for p in part.parameters() if not p.requires_grad]
+    return LoadReport(
+        ctx.rank,
+        bytes_read,
+        sum(_bytes_held(part) for part in runner.parts),
+        policy,
+        trainable_params=sum(t.numel() for t in trainable),
+        trainable_bytes=sum(t.numel() * t.element_size() for t in trainable),
+        frozen_params=sum(t.numel() for t in frozen),
+    )
 
 
-def hold_in(model: CausalLM, policy: PrecisionPolicy) -> None:
+def hold_in(model: CausalLM, policy: PrecisionPolicy, lora: LoraSpec | None = None) -> None:
     """Give ``model``'s parameters (still on meta) the policy's master dtype, except those the model keeps in
-    float32 (:data:`~raymoe.models.common.shard_hints.FLOAT32_ATTR`: a router's selection bias)."""
-    model.to(policy.master)
+    float32 (:data:`~raymoe.models.common.shard_hints.FLOAT32_ATTR`: a router's selection bias).
+
+    With LoRA the frozen base needs no master copy: it is held in the compute dtype, and the factors (which train)
+    in the adapters' own dtype (``LoraConfig.lora_dtype``, float32 by default)."""
+    model.to(policy.master if lora is None else policy.compute)
+    if lora is not None:
+        for _, factor in adapter_parameters(model):
+            factor.data = factor.data.to(DTYPES[lora.config.lora_dtype])
     for module in float32_modules(model).values():
         for name in getattr(module, FLOAT32_ATTR):
             getattr(module, name).data = getattr(module, name).data.float()
@@ -151,6 +175,8 @@ def _read_shards(model: CausalLM, reader: CheckpointReader) -> int:
     (an MXFP4 tensor's packed bytes and scales, not the dequantized values)."""
     start = reader.bytes_read
     for name, param in model.named_parameters():
+        if is_adapter_name(name):
+            continue  # LoRA factors come from the adapter (raymoe.rank.adapters)
 
         def read(block: Block, name: str = name) -> Tensor:
             return reader.read(name, block)
@@ -161,9 +187,9 @@ def _read_shards(model: CausalLM, reader: CheckpointReader) -> int:
     return reader.bytes_read - start
 
 
+def _local(param: Tensor) -> Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
 def _bytes_held(model: CausalLM) -> int:
-    total = 0
-    for param in model.parameters():
-        local = param.to_local() if isinstance(param, DTensor) else param
-        total += local.numel() * local.element_size()
-    return total
+    return sum(_local(param).numel() * _local(param).element_size() for param in model.parameters())

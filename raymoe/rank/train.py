@@ -57,6 +57,8 @@ def parameter_groups(loaded: LoadedModel) -> dict[str, list[nn.Parameter]]:
     expert_paths = set(plans.expert_modules) if plans.ep_rules else set()
     groups: dict[str, list[nn.Parameter]] = {"dense": [], "expert": [], "replicated": []}
     for name, param in loaded.named_parameters():
+        if not param.requires_grad:
+            continue  # a frozen base (LoRA): no gradient, no optimizer state
         if not isinstance(param, DTensor):
             groups["replicated"].append(param)
         else:

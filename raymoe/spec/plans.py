@@ -40,6 +40,7 @@ from typing import Literal
 
 from torch import nn
 
+from raymoe.models.common.lora import lora_factors
 from raymoe.models.common.plans import DefaultPlans
 from raymoe.parallel.styles import STYLES, ExpertRole, ParallelStyle, check_style_name
 from raymoe.spec.config import DistributedConfig, ExpertMode
@@ -329,7 +330,9 @@ def _validate_params(
         module_path, _, leaf = path.rpartition(".")
         owner = model.get_submodule(module_path)
         if isinstance(getattr(owner, leaf, None), nn.Parameter):
-            targets = [(owner, leaf, getattr(owner, leaf))]
+            # a LoRA factor of the weight follows the weight's rule (raymoe.parallel.apply)
+            factors = [name for name, (base, _) in lora_factors(owner).items() if base == leaf]
+            targets = [(owner, name, getattr(owner, name)) for name in (leaf, *factors)]
         else:
             module = model.get_submodule(path)
             targets = [(module, name, param) for name, param in module.named_parameters(recurse=False)]

@@ -22,6 +22,7 @@ from raymoe.models.common.attention import Attention
 from raymoe.models.common.config import ModelConfig
 from raymoe.models.common.hub_layout import HubLayout
 from raymoe.models.common.kv_cache import KVCache, LayerKVCache
+from raymoe.models.common.lora import is_adapter_name
 from raymoe.models.common.norm import RMSNorm
 from raymoe.models.common.packing import PackedDocuments, pack_documents
 from raymoe.models.common.plans import DefaultPlans
@@ -242,9 +243,10 @@ class CausalLM(nn.Module, ABC):
 
         ``available`` are the tensor names of the checkpoint being read: a family whose checkpoints
         come in several layouts (per-expert or fused, quantized or not) picks the one present.
-        None (saving) asks for the layout raymoe writes.
+        None (saving) asks for the layout raymoe writes. LoRA factors are not hub tensors (they live in a
+        PEFT adapter file, :mod:`raymoe.checkpoint.adapter`).
         """
-        return {name: name for name, _ in self.named_parameters()}
+        return {name: name for name, _ in self.named_parameters() if not is_adapter_name(name)}
 
     def is_ignored_hub_key(self, key: str) -> bool:
         """Hub tensors that are legitimately present yet not loaded."""

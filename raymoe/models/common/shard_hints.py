@@ -14,6 +14,9 @@ the parallel styles (:mod:`raymoe.parallel.styles`) read them:
     output_bias         on an experts module: the name of the bias added once to each routed
                         pair's output ([E, H]); a style whose ranks each add a partial sum of the
                         output adds 1/size of it on each rank when it is not split
+    lora_factors        on a module with LoRA adapters: {factor name: (base parameter name, "A" | "B")};
+                        A [.., r, in] shares every dim of its base but the output features, B [.., out, r]
+                        every dim but the input features (raymoe.models.common.lora)
     float32_parameters  on a module: names of its parameters held and used in float32 whatever the
                         model's dtype (a router's selection bias, as transformers keeps it)
 """
@@ -28,6 +31,7 @@ ROPE_DIM_ATTR = "qk_rope_head_dim"
 EXPERT_BATCHED_ATTR = "expert_batched"
 OUTPUT_BIAS_ATTR = "output_bias"
 FLOAT32_ATTR = "float32_parameters"
+LORA_FACTORS_ATTR = "lora_factors"
 
 
 def float32_modules(model: nn.Module) -> dict[str, nn.Module]:

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from raymoe.models.common.activation import SWIGLU, GatedActivation
+from raymoe.models.common.lora import expert_factors
 from raymoe.models.common.shard_hints import EXPERT_BATCHED_ATTR, OUTPUT_BIAS_ATTR, SHARD_BLOCK_ATTR
 from raymoe.models.moe.grouped_mm import GemmBackend, grouped_mm
 
@@ -76,14 +77,25 @@ class GroupedExperts(nn.Module):
 
         The single seam every expert-parallel mechanism calls once rows are local and grouped.
         """
-        gate_up_S2I = grouped_mm(x_SH, self.gate_up_proj, counts_E, self.gemm_backend)
+        gate_up_S2I = self._project(x_SH, "gate_up_proj", counts_E)
         expert_S = _expert_of_rows(counts_E, x_SH.shape[0]) if self.gate_up_proj_bias is not None else None
         if expert_S is not None and self.gate_up_proj_bias is not None:
             gate_up_S2I = gate_up_S2I + self.gate_up_proj_bias[expert_S]
-        out_SH = grouped_mm(self.activation(gate_up_S2I), self.down_proj, counts_E, self.gemm_backend)
+        out_SH = self._project(self.activation(gate_up_S2I), "down_proj", counts_E)
         if expert_S is not None and self.down_proj_bias is not None:
             out_SH = out_SH + self.down_proj_bias[expert_S]
         return out_SH
+
+    def _project(self, x_SK: Tensor, name: str, counts_E: Tensor) -> Tensor:
+        """``x [S, in]`` -> ``[S, out]`` through expert weight ``name``, plus its LoRA update when it has one:
+        ``s * (x A_e^T) B_e^T`` as two grouped GEMMs over the same rows (rank ``r`` in between)."""
+        out_SN = grouped_mm(x_SK, getattr(self, name), counts_E, self.gemm_backend)
+        factors = expert_factors(self, name)
+        if factors is None:
+            return out_SN
+        a_ERK, b_ENR, scaling = factors
+        low_SR = grouped_mm(x_SK.to(a_ERK.dtype), a_ERK, counts_E, self.gemm_backend)
+        return out_SN + (grouped_mm(low_SR, b_ENR, counts_E, self.gemm_backend) * scaling).to(out_SN.dtype)
 
     def reset_parameters(self, std: float) -> None:
         nn.init.normal_(self.gate_up_proj, std=std)

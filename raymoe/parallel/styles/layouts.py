@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
+from raymoe.parallel.adapters import local_factor, partial_gradient_factors
 from raymoe.parallel.sharding import chunk_bounds
 
 
@@ -113,5 +114,13 @@ def swap_parameters(module: nn.Module, replace: Callable[[str, Tensor], Tensor |
 
 
 def local_parameters(module: nn.Module) -> AbstractContextManager[None]:
-    """Run with each DTensor parameter replaced by its local shard; its gradient comes back with the same placements."""
-    return swap_parameters(module, lambda _, param: param.to_local() if isinstance(param, DTensor) else param)
+    """Run with each DTensor parameter replaced by its local shard; its gradient comes back with the same placements,
+    except a LoRA factor replicated where its base is split: its gradient is summed (raymoe.parallel.adapters)."""
+    partial = partial_gradient_factors(module)
+
+    def local(name: str, param: Tensor) -> Tensor:
+        if not isinstance(param, DTensor):
+            return param
+        return local_factor(param) if name in partial else param.to_local()
+
+    return swap_parameters(module, local)

@@ -46,6 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
 from raymoe.models.common.shard_hints import EXPERT_BATCHED_ATTR, ROPE_DIM_ATTR, SHARD_BLOCK_ATTR
+from raymoe.parallel.adapters import factor_base, factor_placement
 from raymoe.parallel.sharding import num_pieces, shard_dim, strided_shard
 from raymoe.parallel.styles.base import ParallelStyle
 from raymoe.parallel.styles.layouts import all_reduce_backward, all_reduce_forward, redistribute_local, swap_parameters
@@ -60,11 +61,24 @@ class ShardingStyle(ParallelStyle):
         """Where ``param`` lives over the tp mesh."""
         raise NotImplementedError(f"{type(self).__name__} must define placement()")
 
+    def placement_of(self, module: nn.Module, param_name: str, param: Tensor) -> Placement:
+        """:meth:`placement`, or for a LoRA factor the placement its base weight's carries over to it
+        (:mod:`raymoe.parallel.adapters`)."""
+        factor = factor_base(module, param_name)
+        if factor is None:
+            return self.placement(module, param_name, param)
+        base_name, role = factor
+        base = module._parameters[base_name]
+        assert base is not None
+        return factor_placement(self.placement(module, base_name, base), role, param.ndim)
+
     def validate_param(self, module: nn.Module, param_name: str, param: Tensor, mesh_size: int) -> None:
-        check_splittable(module, param_name, param, self.placement(module, param_name, param), mesh_size)
+        factor = factor_base(module, param_name)
+        block_name = factor[0] if factor is not None else param_name  # a factor's split dim has its base's blocks
+        check_splittable(module, block_name, param, self.placement_of(module, param_name, param), mesh_size)
 
     def shard_param(self, module: nn.Module, param_name: str, param: Tensor, mesh: DeviceMesh) -> Tensor:
-        return distribute_parameter(param, mesh, self.placement(module, param_name, param))
+        return distribute_parameter(param, mesh, self.placement_of(module, param_name, param))
 
 
 def distribute_parameter(param: Tensor, mesh: DeviceMesh, placement: Placement) -> nn.Parameter:

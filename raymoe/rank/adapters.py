@@ -1,0 +1,96 @@
+"""LoRA factors on a rank: filled at load (from a PEFT adapter directory, or freshly initialised), gathered whole
+for saving, merged into their base weights for a hub checkpoint.
+
+Fresh factors are drawn whole, in PEFT's layout, from a generator seeded by the spec's seed and the factor's path,
+then cut to this rank's slice, so every layout starts from the same adapter values (and a test can compare them
+with one process). ``init_lora_weights=True``: A Kaiming-uniform (``a = sqrt(5)``, ``nn.Linear``'s default), B
+zero; ``False``: both Kaiming-uniform, as PEFT leaves them.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from raymoe.checkpoint.adapter import AdapterFile, from_peft, peft_keys, to_peft
+from raymoe.models.common.lora import AdapterTarget, adapter_parameters, merged
+from raymoe.parallel.sharding import read_local_shard
+from raymoe.rank.context import RankContext
+from raymoe.rank.contract import AdapterTensors
+from raymoe.spec.lora import LoraSpec
+from raymoe.spec.topology import Axis
+
+
+def fill_adapters(model: nn.Module, spec: LoraSpec) -> None:
+    """Give every factor of ``model`` (local storage allocated, e.g. after ``to_empty``) its values for this rank."""
+    keys = peft_keys(spec.targets)
+    source = AdapterFile(spec.adapter_dir, spec.targets) if spec.adapter_dir is not None else None
+    for name, param in adapter_parameters(model):
+        target, _ = keys[name]
+        shape = tuple(param.shape)
+        full = source.read(name, shape) if source is not None else fresh_factor(target, name, shape, spec)
+        local = param.to_local() if isinstance(param, DTensor) else param
+        with torch.no_grad():
+            local.copy_(read_local_shard(param, lambda block, full=full: full[block]))
+
+
+def fresh_factor(target: AdapterTarget, name: str, shape: tuple[int, ...], spec: LoraSpec) -> Tensor:
+    """The initial value of factor ``name`` (global ``shape``), the same on every rank and layout."""
+    is_a = name.endswith("lora_A")
+    peft_shape = to_peft(target, name, torch.empty(shape, device="meta")).shape
+    if not is_a and spec.config.init_lora_weights:
+        return torch.zeros(shape)
+    generator = torch.Generator().manual_seed(spec.seed * 1_000_003 + zlib.crc32(name.encode()))
+    values = torch.empty(peft_shape)
+    nn.init.kaiming_uniform_(values, a=math.sqrt(5), generator=generator)
+    return from_peft(target, name, values, shape)
+
+
+def full_adapters(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """``(path, full factor on the CPU)`` for every factor; a collective for each sharded one (every rank calls)."""
+    for name, param in adapter_parameters(model):
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        yield name, full.detach().to("cpu", copy=True)
+
+
+def merge_stream(tensors: Iterator[tuple[str, Tensor]], spec: LoraSpec) -> Iterator[tuple[str, Tensor]]:
+    """``tensors`` (path, full tensor) with every adapted base weight replaced by ``W + s B A`` and the factors
+    dropped. A base waits for its factors, which its module registers after it."""
+    bases = {}
+    for target in spec.targets:
+        a_name, b_name = target.factor_names()
+        bases[f"{target.module}.{target.param or 'weight'}"] = (target, a_name, b_name)
+    factor_names = {name for _, a_name, b_name in bases.values() for name in (a_name, b_name)}
+    waiting: dict[str, Tensor] = {}
+    factors: dict[str, Tensor] = {}
+    for name, tensor in tensors:
+        if name in bases:
+            waiting[name] = tensor
+        elif name in factor_names:
+            factors[name] = tensor
+        else:
+            yield name, tensor
+        for base_name in [b for b in waiting if bases[b][1] in factors and bases[b][2] in factors]:
+            target, a_name, b_name = bases[base_name]
+            yield (
+                base_name,
+                merged(waiting.pop(base_name), factors.pop(a_name), factors.pop(b_name), target.shape.scaling),
+            )
+    if waiting:
+        raise ValueError(f"merging LoRA adapters: no factors reached {sorted(waiting)[:3]}")
+
+
+def gather_adapters(ctx: RankContext) -> AdapterTensors:
+    """Every rank gathers the factors of the parts it holds; the first rank of each pipeline stage answers them."""
+    loaded = ctx.require_model()
+    if loaded.spec.lora is None:
+        raise ValueError("this model has no LoRA adapters (load it with from_pretrained(..., lora=...))")
+    tensors = {name: tensor for part in loaded.parts for name, tensor in full_adapters(part)}
+    coords = ctx.coords
+    first_of_stage = not any(coords.on(axis) for axis in (Axis.DP_REPLICATE, Axis.FSDP, Axis.TP, Axis.EP, Axis.EFSDP))
+    return AdapterTensors(tensors if first_of_stage else {})

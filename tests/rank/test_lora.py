@@ -1,0 +1,141 @@
+"""LoRA adapters (issue 30) under one rank and 4-rank layouts equal PEFT on transformers in one process.
+
+The reference: a PEFT adapter with random A and B (``init_lora_weights=False``, so B A != 0 from the start and
+every factor gets a gradient) on the transformers model, saved; raymoe loads that directory (``lora=DIR``). Three
+AdamW steps on both: losses and gradient norms within 1e-5, the saved adapter's tensors (PEFT's keys) within 1e-5 of
+the reference's, PEFT loads raymoe's adapter with equal logits, and the merged checkpoint loads in transformers.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+LR, WEIGHT_DECAY, STEPS, ROWS, SEQ = 1e-3, 0.1, 3, 8, 10
+QWEN_EP = "moe_e8_k2_mha"  # 8 experts: split over ep 2 and 4
+QWEN_DENSE_MID = "moe_e5_k3_gqa2_dense_mid"  # a dense MLP layer between sparse ones
+GPT_OSS = "gptoss_e4_k3_gqa2_window5"
+MIXTRAL = "mixtral_e8_k3_gqa2_window6"
+DEEPSEEK = "deepseekv3_e8_k2_qproj_bias"
+MASKED = {"model.layers.*.mlp.gate": "ep_router", "model.layers.*.mlp.experts": "moe_tp_experts"}
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+TARGETS = {
+    QWEN_EP: ["q_proj", "v_proj", "o_proj"],
+    # gate_proj / up_proj: transformers 4's expert modules, which PEFT (and raymoe) read as the fused gate_up_proj
+    # at twice the rank and alpha; the dense middle layer's MLP is then not adapted
+    QWEN_DENSE_MID: ["q_proj", "k_proj", "o_proj", "gate_proj", "up_proj"],
+    GPT_OSS: ["q_proj", "o_proj"],
+    MIXTRAL: ["k_proj", "o_proj"],
+    DEEPSEEK: ["q_proj", "kv_b_proj", "o_proj"],
+}
+LAYOUTS = {
+    "fsdp4-ep4": {"fsdp_size": 4, "ep_size": 4},
+    "tp4-ep4-masked": {"tp_size": 4, "ep_size": 4, "ep_plan": MASKED},
+    "tp2-fsdp2-ep2": {"tp_size": 2, "fsdp_size": 2, "ep_size": 2},
+    "pp2-fsdp2": {"pp_size": 2, "fsdp_size": 2},
+    "dp_replicate2-fsdp2-ep2": {"dp_replicate_size": 2, "fsdp_size": 2, "ep_size": 2},
+}
+
+
+def _batches(vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for step in range(STEPS):
+        ids = torch.randint(0, vocab, (ROWS, SEQ), generator=gen)
+        mask = torch.ones_like(ids)
+        for row in range(ROWS):
+            pad = (row * 3 + step) % (SEQ - 2)
+            if pad:
+                mask[row, -pad:] = 0
+        out.append((ids, mask))
+    return out
+
+
+def _peft_reference(name: str, directory: Path, adapter_dir: Path, load_hf_model, train: bool = True):
+    """A random PEFT adapter saved to ``adapter_dir``; then (``train``) three AdamW steps -> losses, norms, model."""
+    import peft
+
+    hf_model = load_hf_model(directory)
+    torch.manual_seed(1)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=TARGETS[name], target_parameters=EXPERTS, init_lora_weights=False
+    )
+    reference = peft.get_peft_model(hf_model, config)
+    reference.save_pretrained(adapter_dir)
+    if not train:
+        return [], [], reference
+    reference.train()
+    params = [p for p in reference.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+    losses, norms = [], []
+    for ids, mask in _batches(hf_model.config.vocab_size):
+        loss = reference(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+        loss.backward()
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in params]).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, norms, reference.eval()
+
+
+def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-12)).item()
+
+
+def _check_training(name, config, load, tiny_checkpoint, load_hf_model, tmp_path: Path) -> None:
+    import peft
+
+    directory = tiny_checkpoint(name)
+    losses, norms, reference = _peft_reference(name, directory, tmp_path / "start", load_hf_model)
+    with load(directory, config, lora=str(tmp_path / "start")) as model:
+        model.configure_training(lr=LR, weight_decay=WEIGHT_DECAY, betas=(0.9, 0.999), max_grad_norm=None)
+        for step, (ids, mask) in enumerate(_batches(reference.config.vocab_size)):
+            got = model.train_step(ids, attention_mask=mask)
+            assert abs(got["loss"] - losses[step]) <= 1e-5 * losses[step], (step, got["loss"], losses[step])
+            assert abs(got["grad_norm"] - norms[step]) <= 1e-5 * norms[step], (step, got["grad_norm"], norms[step])
+        model.save_adapter(tmp_path / "trained")
+        model.save_pretrained(tmp_path / "merged")
+        ids = _batches(reference.config.vocab_size)[0][0]
+        logits = model(ids)
+    saved = load_file(tmp_path / "trained" / "adapter_model.safetensors")
+    expected = {k: v for k, v in reference.state_dict().items() if "lora_" in k}
+    expected = {k.replace(".default", ""): v for k, v in expected.items()}
+    assert set(saved) == set(expected)
+    for key, tensor in saved.items():
+        assert _rel(tensor, expected[key]) <= 1e-5, key
+    with torch.no_grad():
+        reloaded = peft.PeftModel.from_pretrained(load_hf_model(directory), tmp_path / "trained")
+        assert (reloaded(input_ids=ids).logits - logits).abs().max().item() <= 1e-5
+        merged = load_hf_model(tmp_path / "merged")
+        assert (merged(input_ids=ids).logits - logits).abs().max().item() <= 1e-5
+
+
+def test_tensor_parallelism_alone_is_refused(tiny_checkpoint):
+    from raymoe.spec.launch import prepare_launch
+
+    with pytest.raises(ValueError, match="LoRA with tp_size=2 and no data or expert parallelism"):
+        prepare_launch(tiny_checkpoint(QWEN_EP), {"tp_size": 2}, lora={"target_modules": ["q_proj"]})
+
+
+@pytest.mark.parametrize("name", [QWEN_DENSE_MID, GPT_OSS])
+def test_one_rank_training_equals_peft(name, load_local, tiny_checkpoint, load_hf_model, tmp_path):
+    _check_training(name, {}, load_local, tiny_checkpoint, load_hf_model, tmp_path)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize(
+    ("name", "layout_name"),
+    [
+        (QWEN_EP, "fsdp4-ep4"),
+        (QWEN_EP, "tp4-ep4-masked"),
+        (QWEN_EP, "tp2-fsdp2-ep2"),
+        (QWEN_EP, "pp2-fsdp2"),
+        (QWEN_EP, "dp_replicate2-fsdp2-ep2"),
+        (GPT_OSS, "tp2-fsdp2-ep2"),
+        (MIXTRAL, "fsdp4-ep4"),
+        (DEEPSEEK, "tp2-fsdp2-ep2"),
+    ],
+)
+def test_layout_training_equals_peft(name, layout_name, load_on_world, tiny_checkpoint, load_hf_model, tmp_path):
+    _check_training(name, LAYOUTS[layout_name], load_on_world, tiny_checkpoint, load_hf_model, tmp_path)
