@@ -38,22 +38,8 @@ LAYOUTS = {
 }
 
 
-def _batches(vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for step in range(STEPS):
-        ids = torch.randint(0, vocab, (ROWS, SEQ), generator=gen)
-        mask = torch.ones_like(ids)
-        for row in range(ROWS):
-            pad = (row * 3 + step) % (SEQ - 2)
-            if pad:
-                mask[row, -pad:] = 0
-        out.append((ids, mask))
-    return out
-
-
-def _peft_reference(name: str, directory: Path, adapter_dir: Path, load_hf_model, train: bool = True):
-    """A random PEFT adapter saved to ``adapter_dir``; then (``train``) three AdamW steps -> losses, norms, model."""
+def _peft_reference(name: str, directory: Path, adapter_dir: Path, load_hf_model, batches):
+    """A random PEFT adapter saved to ``adapter_dir``, then AdamW steps on ``batches`` -> losses, norms, model."""
     import peft
 
     hf_model = load_hf_model(directory)
@@ -63,13 +49,11 @@ def _peft_reference(name: str, directory: Path, adapter_dir: Path, load_hf_model
     )
     reference = peft.get_peft_model(hf_model, config)
     reference.save_pretrained(adapter_dir)
-    if not train:
-        return [], [], reference
     reference.train()
     params = [p for p in reference.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
     losses, norms = [], []
-    for ids, mask in _batches(hf_model.config.vocab_size):
+    for ids, mask in batches:
         loss = reference(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
         loss.backward()
         norms.append(torch.nn.utils.get_total_norm([p.grad for p in params]).item())
@@ -83,20 +67,21 @@ def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).norm() / expected.norm().clamp_min(1e-12)).item()
 
 
-def _check_training(name, config, load, tiny_checkpoint, load_hf_model, tmp_path: Path) -> None:
+def _check_training(name, config, load, tiny_checkpoint, load_hf_model, padded_batches, tmp_path: Path) -> None:
     import peft
 
     directory = tiny_checkpoint(name)
-    losses, norms, reference = _peft_reference(name, directory, tmp_path / "start", load_hf_model)
+    batches = padded_batches(96, steps=STEPS, rows=ROWS, seq=SEQ)  # every tiny config has 96 tokens
+    losses, norms, reference = _peft_reference(name, directory, tmp_path / "start", load_hf_model, batches)
     with load(directory, config, lora=str(tmp_path / "start")) as model:
         model.configure_training(lr=LR, weight_decay=WEIGHT_DECAY, betas=(0.9, 0.999), max_grad_norm=None)
-        for step, (ids, mask) in enumerate(_batches(reference.config.vocab_size)):
+        for step, (ids, mask) in enumerate(batches):
             got = model.train_step(ids, attention_mask=mask)
             assert abs(got["loss"] - losses[step]) <= 1e-5 * losses[step], (step, got["loss"], losses[step])
             assert abs(got["grad_norm"] - norms[step]) <= 1e-5 * norms[step], (step, got["grad_norm"], norms[step])
         model.save_adapter(tmp_path / "trained")
         model.save_pretrained(tmp_path / "merged")
-        ids = _batches(reference.config.vocab_size)[0][0]
+        ids = batches[0][0]
         logits = model(ids)
     saved = load_file(tmp_path / "trained" / "adapter_model.safetensors")
     expected = {k: v for k, v in reference.state_dict().items() if "lora_" in k}
@@ -119,8 +104,8 @@ def test_tensor_parallelism_alone_is_refused(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("name", [QWEN_DENSE_MID, GPT_OSS])
-def test_one_rank_training_equals_peft(name, load_local, tiny_checkpoint, load_hf_model, tmp_path):
-    _check_training(name, {}, load_local, tiny_checkpoint, load_hf_model, tmp_path)
+def test_one_rank_training_equals_peft(name, load_local, tiny_checkpoint, load_hf_model, padded_batches, tmp_path):
+    _check_training(name, {}, load_local, tiny_checkpoint, load_hf_model, padded_batches, tmp_path)
 
 
 @pytest.mark.ray
@@ -137,5 +122,7 @@ def test_one_rank_training_equals_peft(name, load_local, tiny_checkpoint, load_h
         (DEEPSEEK, "tp2-fsdp2-ep2"),
     ],
 )
-def test_layout_training_equals_peft(name, layout_name, load_on_world, tiny_checkpoint, load_hf_model, tmp_path):
-    _check_training(name, LAYOUTS[layout_name], load_on_world, tiny_checkpoint, load_hf_model, tmp_path)
+def test_layout_training_equals_peft(
+    name, layout_name, load_on_world, tiny_checkpoint, load_hf_model, padded_batches, tmp_path
+):
+    _check_training(name, LAYOUTS[layout_name], load_on_world, tiny_checkpoint, load_hf_model, padded_batches, tmp_path)
