@@ -39,7 +39,7 @@ def factor_placement(base_placement: Placement, role: FactorRole, ndim: int) -> 
 def partial_gradient_factors(module: nn.Module) -> set[str]:
     """The factors of ``module`` replicated over a mesh on which their base is split: each rank's gradient of
     such a factor is its part of the sum (read at forward time, from the placements the parameters have then)."""
-    partial = set()
+    partial: set[str] = set()
     for name, (base_name, _) in lora_factors(module).items():
         factor, base = module._parameters.get(name), module._parameters.get(base_name)
         if isinstance(factor, DTensor) and isinstance(base, DTensor) and _replicated(factor) and not _replicated(base):

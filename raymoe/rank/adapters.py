@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from raymoe.checkpoint.adapter import AdapterFile, from_peft, peft_keys, to_peft
 from raymoe.models.common.lora import AdapterTarget, adapter_parameters, merged
-from raymoe.parallel.sharding import read_local_shard
+from raymoe.parallel.sharding import Block, read_local_shard
 from raymoe.rank.context import RankContext
 from raymoe.rank.contract import AdapterTensors
 from raymoe.spec.lora import LoraSpec
@@ -36,7 +36,14 @@ def fill_adapters(model: nn.Module, spec: LoraSpec) -> None:
         full = source.read(name, shape) if source is not None else fresh_factor(target, name, shape, spec)
         local = param.to_local() if isinstance(param, DTensor) else param
         with torch.no_grad():
-            local.copy_(read_local_shard(param, lambda block, full=full: full[block]))
+            local.copy_(read_local_shard(param, _slicer(full)))
+
+
+def _slicer(full: Tensor) -> Callable[[Block], Tensor]:
+    def read(block: Block) -> Tensor:
+        return full[block]
+
+    return read
 
 
 def fresh_factor(target: AdapterTarget, name: str, shape: tuple[int, ...], spec: LoraSpec) -> Tensor:

@@ -12,6 +12,7 @@ file): truncated files, missing, unexpected, wrong-shape or wrong-dtype tensors 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,7 +105,7 @@ def prepare_launch(
     revision: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     precision: Precision | str | None = None,
-    lora: LoraConfig | str | os.PathLike[str] | dict[str, Any] | None = None,
+    lora: LoraConfig | str | os.PathLike[str] | Mapping[str, Any] | None = None,
 ) -> LaunchSpec:
     """Validate everything that can be validated without a cluster; raise ``ValueError`` on bad input."""
     config = as_config(distributed_config)
@@ -122,12 +123,8 @@ def prepare_launch(
         check_checkpoint(local, model)
         source = str(local.absolute())
     adapters = resolve_lora(lora, model) if lora is not None else None
-    if (
-        adapters is not None
-        and topology.config.tp_size > 1
-        and topology.config.dp_size == 1
-        and not ((topology.config.ep_size or 1) > 1)
-    ):
+    tp_size, ep_size = topology.config.tp_size or 1, topology.config.ep_size or 1
+    if adapters is not None and tp_size > 1 and topology.config.dp_size == 1 and ep_size == 1:
         # Measured: tensor parallelism alone (no FSDP2, no EP) trains adapters off PEFT's losses in the test suite
         # while every layout with FSDP2 or EP (tp included) equals them; refused until the cause is found.
         raise ValueError(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -139,8 +140,8 @@ class LoraConfig:
         _positive_number("lora_alpha", self.lora_alpha)
         for key, value in self.rank_pattern.items():
             _positive_int(f"rank_pattern[{key!r}]", value)
-        for key, value in self.alpha_pattern.items():
-            _positive_number(f"alpha_pattern[{key!r}]", value)
+        for key, alpha in self.alpha_pattern.items():
+            _positive_number(f"alpha_pattern[{key!r}]", alpha)
         if not isinstance(self.lora_dropout, int | float) or not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"LoraConfig.lora_dropout={self.lora_dropout!r} must be a number in [0, 1)")
         if not isinstance(self.init_lora_weights, bool):
@@ -219,11 +220,13 @@ class LoraSpec:
         return [name for target in self.targets for name in target.factor_names()]
 
 
-def resolve_lora(request: LoraConfig | str | Path | Mapping[str, Any], model: nn.Module, *, seed: int = 0) -> LoraSpec:
+def resolve_lora(
+    request: LoraConfig | str | os.PathLike[str] | Mapping[str, Any], model: nn.Module, *, seed: int = 0
+) -> LoraSpec:
     """The targets of ``request`` (a :class:`LoraConfig`, its dict, or a PEFT adapter directory) in ``model``
     (the meta model); every error names the field, the value and the rule."""
     adapter_dir: str | None = None
-    if isinstance(request, str | Path):
+    if isinstance(request, str | os.PathLike):
         adapter_dir, config = read_adapter_config(request)
     elif isinstance(request, Mapping):
         config = LoraConfig(**request)
@@ -279,7 +282,7 @@ def expert_names_as_parameters(config: LoraConfig, model_type: str) -> LoraConfi
     )
 
 
-def read_adapter_config(directory: str | Path) -> tuple[str, LoraConfig]:
+def read_adapter_config(directory: str | os.PathLike[str]) -> tuple[str, LoraConfig]:
     """``(absolute directory, its LoraConfig)`` of a PEFT adapter directory; a clear error when it is not one."""
     import json
 

@@ -94,12 +94,12 @@ def add_linear_adapter(module: nn.Linear, shape: AdapterShape) -> None:
     """Give ``module`` (an ``nn.Linear``, on any device) factors ``lora_A [r, in]``, ``lora_B [out, r]``."""
     if type(module) is not nn.Linear:
         raise ValueError(f"a LoRA target module must be an nn.Linear, got {type(module).__name__}")
-    factory = {"device": module.weight.device, "dtype": module.weight.dtype}
-    module.lora_A = nn.Parameter(torch.empty(shape.r, module.in_features, **factory))
-    module.lora_B = nn.Parameter(torch.empty(module.out_features, shape.r, **factory))
+    device, dtype = module.weight.device, module.weight.dtype
+    module.lora_A = nn.Parameter(torch.empty(shape.r, module.in_features, device=device, dtype=dtype))
+    module.lora_B = nn.Parameter(torch.empty(module.out_features, shape.r, device=device, dtype=dtype))
     module.__class__ = LoraLinear
-    module.lora_scaling = shape.scaling
-    module.lora_dropout = shape.dropout
+    setattr(module, "lora_scaling", shape.scaling)  # noqa: B010 (typed on LoraLinear, which it now is)
+    setattr(module, "lora_dropout", shape.dropout)  # noqa: B010
     setattr(module, LORA_FACTORS_ATTR, {"lora_A": ("weight", "A"), "lora_B": ("weight", "B")})
 
 
@@ -111,16 +111,18 @@ def add_expert_adapter(module: nn.Module, param_name: str, shape: AdapterShape) 
     if shape.dropout:
         raise ValueError("lora_dropout applies to target_modules only: an expert weight's update cannot drop inputs")
     experts, out_features, in_features = weight.shape
-    factory = {"device": weight.device, "dtype": weight.dtype}
+    device, dtype = weight.device, weight.dtype
     a_name, b_name = f"{param_name}_lora_A", f"{param_name}_lora_B"
-    module.register_parameter(a_name, nn.Parameter(torch.empty(experts, shape.r, in_features, **factory)))
-    module.register_parameter(b_name, nn.Parameter(torch.empty(experts, out_features, shape.r, **factory)))
+    a = torch.empty(experts, shape.r, in_features, device=device, dtype=dtype)
+    b = torch.empty(experts, out_features, shape.r, device=device, dtype=dtype)
+    module.register_parameter(a_name, nn.Parameter(a))
+    module.register_parameter(b_name, nn.Parameter(b))
     factors = dict(getattr(module, LORA_FACTORS_ATTR, {}))
     factors.update({a_name: (param_name, "A"), b_name: (param_name, "B")})
     setattr(module, LORA_FACTORS_ATTR, factors)
     scalings = dict(getattr(module, "lora_scalings", {}))
     scalings[param_name] = shape.scaling
-    module.lora_scalings = scalings
+    setattr(module, "lora_scalings", scalings)  # noqa: B010 (a plain attribute, not a submodule)
 
 
 def expert_factors(module: nn.Module, param_name: str) -> tuple[Tensor, Tensor, float] | None:
