@@ -19,10 +19,12 @@ from typing import Any
 
 import torch
 
+from raymoe.checkpoint.adapter import AdapterFile
 from raymoe.checkpoint.hub import resolve_config_file
 from raymoe.checkpoint.model_io import check_checkpoint
 from raymoe.models.common.config import ModelConfig, read_config_file
 from raymoe.models.common.decoder import CausalLM
+from raymoe.models.common.lora import adapter_parameters
 from raymoe.models.registry import build_model, parse_model_config
 from raymoe.spec.config import DistributedConfig
 from raymoe.spec.lora import LoraConfig, LoraSpec, add_adapters, resolve_lora
@@ -133,6 +135,9 @@ def prepare_launch(
         )
     if adapters is not None:
         add_adapters(model, adapters)
+        if adapters.adapter_dir is not None:  # its tensors' names and shapes, from the safetensors header
+            shapes = {name: tuple(param.shape) for name, param in adapter_parameters(model)}
+            AdapterFile(adapters.adapter_dir, adapters.targets).check(shapes)
     plans = resolve_plans(model, model.default_plans(), topology.config, num_experts=model.num_experts)
     stages = plan_stages(model, topology.config)
     return LaunchSpec(
