@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from raymoe.checkpoint.model_io import save_model
 from raymoe.checkpoint.staging import CheckpointSaveError
 from raymoe.checkpoint.training_state import (
+    StateManifest,
     TrainingStateError,
     check_training_state,
     model_key,
@@ -34,7 +35,6 @@ from raymoe.checkpoint.training_state import (
     read_metadata,
 )
 from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE
-from raymoe.models.common.decoder import CausalLM
 from raymoe.models.registry import build_model, parse_model_config
 
 # The entry whose dtype the exported config.json names (save_model's write_config reads the embedding's).
@@ -67,8 +67,13 @@ def export_state(
     """
     state_dir = Path(state_dir)
     manifest = read_manifest(state_dir)
-    if Path(out_dir).resolve() == state_dir.resolve():
-        raise CheckpointSaveError(f"cannot export training state {state_dir} into itself; name another directory")
+    refuse_export_into_itself(state_dir, out_dir)
+    if manifest.lora is not None:
+        raise TrainingStateError(
+            f"training state {state_dir} holds LoRA adapters, not the base weights: `raymoe export --adapter "
+            "STATE_DIR OUT_DIR` writes the PEFT adapter, `raymoe export --merge STATE_DIR OUT_DIR --base BASE` the "
+            "merged hub checkpoint of the base it was trained on"
+        )
     try:
         config = parse_model_config(manifest.model_config)
     except ValueError as error:
@@ -76,12 +81,24 @@ def export_state(
     metadata = read_metadata(state_dir)
     model = build_model(config, device="meta", dtype=_stored_dtype(metadata, _DTYPE_ENTRY) or torch.float32)
     check_training_state(state_dir, model, config.model_type, with_optimizer=False)
+    tensors = read_entries(state_dir, model.named_parameters())
+    return save_model(
+        model, out_dir, max_shard_size=max_shard_size, tensors=tensors, dtype=written_dtype(manifest, state_dir)
+    )
+
+
+def refuse_export_into_itself(state_dir: Path, out_dir: str | os.PathLike[str]) -> None:
+    if Path(out_dir).resolve() == state_dir.resolve():
+        raise CheckpointSaveError(f"cannot export training state {state_dir} into itself; name another directory")
+
+
+def written_dtype(manifest: StateManifest, state_dir: Path) -> torch.dtype | None:
+    """The dtype ``save_pretrained`` would write the state's model in (its manifest's ``checkpoint_dtype``)."""
     named = manifest.checkpoint_dtype
     written = getattr(torch, named, None) if named else None
     if named and not isinstance(written, torch.dtype):
         raise TrainingStateError(f"training state {state_dir}: checkpoint_dtype={named!r} is not a torch dtype")
-    tensors = _read_parameters(state_dir, model)
-    return save_model(model, out_dir, max_shard_size=max_shard_size, tensors=tensors, dtype=written)
+    return written if isinstance(written, torch.dtype) else None
 
 
 def _stored_dtype(metadata: Metadata, key: str) -> torch.dtype | None:
@@ -89,11 +106,12 @@ def _stored_dtype(metadata: Metadata, key: str) -> torch.dtype | None:
     return entry.properties.dtype if isinstance(entry, TensorStorageMetadata) else None
 
 
-def _read_parameters(state_dir: Path, model: CausalLM) -> Iterator[tuple[str, Tensor]]:
-    """``(name, full tensor)`` of every parameter of ``model`` (a tied one once), read one at a time."""
+def read_entries(state_dir: Path, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    """``(name, full tensor)`` of the state's ``model.<name>`` entry for every ``(name, tensor)`` of ``named`` (a
+    meta model's parameters: their global shapes), read one at a time, in the dtype the state stores."""
     reader = _MetadataOnceReader(state_dir)
     metadata = reader.read_metadata()
-    for name, param in model.named_parameters():
+    for name, param in named:
         key = model_key(name)
         dtype = _stored_dtype(metadata, key) or param.dtype
         entry: dict[str, Any] = {key: torch.empty(param.shape, dtype=dtype)}

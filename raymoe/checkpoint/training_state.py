@@ -6,15 +6,22 @@ manifest rank 0 adds when every rank has finished::
     step-00000006/
       .metadata              DCP: every entry's global shape, dtype and where its chunks lie
       __0_0.distcp ...       DCP: one file per rank (its shards; replicated values by one rank only)
-      raymoe_state.json      the manifest: model config, step, AdamW and balance settings, caller's extra
+      raymoe_state.json      the manifest: model config, step, AdamW and balance settings, caller's extra;
+                             under LoRA also the adapter's config and the base's fingerprint
 
 Entries, keyed by the model's parameter names (the same under every layout, so DCP reshards)::
 
-    model.<name>                 every parameter (a tied one once) and persistent buffer, global shape
+    model.<name>                 every parameter (a tied one once) and persistent buffer, global shape; under LoRA
+                                 not the frozen base weights: the factors, and what a run still moves (a router's
+                                 selection bias, buffers)
     optim.<name>.exp_avg         AdamW moments of each trainable parameter, shaped like it
     optim.<name>.exp_avg_sq
     optim.<name>.step            AdamW's step count of that parameter, a 0-d float tensor
     rng.rank<r>                  rank r's RNG states (bytes); restored on rank r when it exists
+
+A LoRA state is small (adapters, their moments) and useless without its base: the manifest's ``base``
+(:class:`~raymoe.checkpoint.fingerprint.BaseFingerprint`) names the checkpoint it was trained on, and resuming
+checks it (:func:`check_lora_state`).
 
 A directory is a state only with its manifest (written last, inside the staging directory that is then
 renamed into place: :mod:`raymoe.checkpoint.staging`), so a save that did not finish is never taken for one.
@@ -33,6 +40,9 @@ from typing import Any
 from torch import Tensor, nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from raymoe.checkpoint.fingerprint import BaseFingerprint
+from raymoe.models.common.lora import frozen_base_names
 
 MANIFEST_FILE = "raymoe_state.json"
 FORMAT = "raymoe-training-state"
@@ -67,7 +77,9 @@ class StateManifest:
     """``raymoe_state.json``: what a state holds beyond its tensors. ``extra`` is the caller's (the Trainer's
     data position); ``saved_layout`` (the ``DistributedConfig`` it was saved under) is for people reading it.
     ``checkpoint_dtype``: what ``save_pretrained`` writes for this model (the precision policy's, not the master
-    dtype the state holds), which ``raymoe export`` writes too; None in states written before it was recorded."""
+    dtype the state holds), which ``raymoe export`` writes too; None in states written before it was recorded.
+    ``lora``: the adapter's PEFT ``adapter_config.json`` dict and ``base`` the fingerprint of the checkpoint it was
+    trained on, for a LoRA state (None: a full fine-tuning state)."""
 
     model_config: dict[str, Any]
     step: int
@@ -77,6 +89,8 @@ class StateManifest:
     saved_layout: dict[str, Any]
     extra: dict[str, Any] = field(default_factory=dict)
     checkpoint_dtype: str | None = None
+    lora: dict[str, Any] | None = None
+    base: BaseFingerprint | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -90,6 +104,8 @@ class StateManifest:
             "balance": self.balance,
             "extra": self.extra,
             "checkpoint_dtype": self.checkpoint_dtype,
+            "lora": self.lora,
+            "base": self.base.to_json() if self.base is not None else None,
             "model_config": self.model_config,
         }
 
@@ -110,6 +126,8 @@ class StateManifest:
                 saved_layout=dict(raw["saved_layout"]),
                 extra=dict(raw.get("extra") or {}),
                 checkpoint_dtype=_optional_str(raw.get("checkpoint_dtype")),
+                lora=dict(raw["lora"]) if raw.get("lora") is not None else None,
+                base=BaseFingerprint.from_json(raw["base"]) if raw.get("base") is not None else None,
             )
         except (KeyError, TypeError, ValueError) as error:
             raise TrainingStateError(f"{directory / MANIFEST_FILE} lacks or garbles a field: {error!r}") from error
@@ -142,9 +160,10 @@ def read_manifest(directory: str | os.PathLike[str]) -> StateManifest:
 
 
 def model_entries(model: nn.Module) -> dict[str, Tensor]:
-    """The model's tensors a state holds, by name: every parameter (a tied one under its first name only) and every
-    persistent buffer."""
-    entries: dict[str, Tensor] = dict(model.named_parameters())
+    """The model's tensors a state holds, by name: every parameter (a tied one under its first name only) but the
+    base weights LoRA froze (:func:`~raymoe.models.common.lora.frozen_base_names`), and every persistent buffer."""
+    frozen = frozen_base_names(model)
+    entries: dict[str, Tensor] = {name: p for name, p in model.named_parameters() if name not in frozen}
     for module_name, module in model.named_modules():
         for name, buffer in module.named_buffers(recurse=False):
             if buffer is not None and name not in module._non_persistent_buffers_set:
@@ -188,6 +207,51 @@ def check_training_state(
         shown = "; ".join(problems[:8]) + (f"; ... (+{len(problems) - 8} more)" if len(problems) > 8 else "")
         raise TrainingStateError(f"training state {directory} does not fit this model: {shown}")
     return manifest
+
+
+# adapter_config.json fields that say where or how an adapter is used, not what it is
+_LORA_CONTEXT_FIELDS = ("base_model_name_or_path", "inference_mode")
+
+
+def check_lora_state(
+    directory: str | os.PathLike[str],
+    manifest: StateManifest,
+    lora: Mapping[str, Any] | None,
+    base: BaseFingerprint | None,
+) -> None:
+    """A state fits a model's adapters: both full fine-tuning, or both LoRA with the same adapter config
+    (``lora``: the model's ``adapter_config.json`` dict) on the same base (``base``: the model's fingerprint).
+    A :class:`TrainingStateError` naming ``directory`` and what differs otherwise."""
+    directory = Path(directory)
+    if manifest.lora is None and lora is None:
+        return
+    if manifest.lora is None:
+        raise TrainingStateError(
+            f"training state {directory} is a full fine-tuning state (every weight, no LoRA adapters); this model has "
+            "LoRA adapters: load the model without lora= to resume it"
+        )
+    if lora is None:
+        source = manifest.base.source if manifest.base is not None else "its base"
+        raise TrainingStateError(
+            f"training state {directory} holds LoRA adapters (r={manifest.lora.get('r')}) trained on {source}, not "
+            "the base weights: load that base with from_pretrained(..., lora=) and the same LoraConfig to resume it, "
+            "or write a merged checkpoint with `raymoe export --merge`"
+        )
+    differ = [
+        f"{key}={manifest.lora.get(key)!r} in the state, {lora.get(key)!r} in this model"
+        for key in sorted(set(manifest.lora) | set(lora))
+        if key not in _LORA_CONTEXT_FIELDS and manifest.lora.get(key) != lora.get(key)
+    ]
+    if differ:
+        raise TrainingStateError(
+            f"training state {directory} holds other LoRA adapters than this model's: {'; '.join(differ)}"
+        )
+    if manifest.base is not None and base is not None and manifest.base.differences(base):
+        raise TrainingStateError(
+            f"training state {directory} holds LoRA adapters trained on {manifest.base.source}, and this model's "
+            f"base {base.source} is another checkpoint: {'; '.join(manifest.base.differences(base))}; load the base "
+            "the adapters were trained on"
+        )
 
 
 def read_metadata(directory: Path) -> Metadata:

@@ -4,7 +4,8 @@ Format and its checks: :mod:`raymoe.checkpoint.training_state`; the ranks' side:
 
     save(path, async, extra)   manifest from the session (step, AdamW and balance settings) -> every rank writes
     wait()                     an asynchronous save finished and swapped in, or its failure raised
-    check(path)                a CheckedState: manifest, model type, every entry and data file, on the driver
+    check(path)                a CheckedState: manifest, model type, every entry and data file, on the driver;
+                               under LoRA also the adapter config and the base's fingerprint
     load(CheckedState)         every rank reads its shards; the session takes the saved settings and step
 
 A failure raises one error naming the directory and changes nothing: ``path`` keeps its previous state, the
@@ -21,13 +22,21 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from raymoe.checkpoint.fingerprint import BaseFingerprint, fingerprint_base
+from raymoe.checkpoint.hub import resolve_config_file
 from raymoe.checkpoint.staging import (
     CheckpointSaveError,
     recover_interrupted_save,
     staging_directory,
     swappable_target,
 )
-from raymoe.checkpoint.training_state import StateManifest, TrainingStateError, check_training_state
+from raymoe.checkpoint.training_state import (
+    StateManifest,
+    TrainingStateError,
+    check_lora_state,
+    check_training_state,
+    read_manifest,
+)
 from raymoe.driver.fanout import FanOut
 from raymoe.driver.training import TrainingSession
 from raymoe.rank.contract import StateAnswer, StateRequest
@@ -56,6 +65,26 @@ class TrainingStates:
     def __init__(self, spec: LaunchSpec, session: TrainingSession, fanout: FanOut) -> None:
         self.spec, self.session, self.fanout = spec, session, fanout
         self.saving: Path | None = None  # the target of an asynchronous save still writing
+        self._base: BaseFingerprint | None = None  # the base checkpoint's, under LoRA: read once, when first needed
+
+    def lora_config(self) -> dict[str, Any] | None:
+        """The adapter's ``adapter_config.json`` dict as a manifest holds it (JSON types); None without LoRA."""
+        if self.spec.lora is None:
+            return None
+        loaded: dict[str, Any] = json.loads(json.dumps(self.spec.lora.config.to_peft_dict(self.spec.source)))
+        return loaded
+
+    def base_fingerprint(self) -> BaseFingerprint | None:
+        """The fingerprint of the checkpoint the model was loaded from, under LoRA (None without)."""
+        if self.spec.lora is None:
+            return None
+        if self._base is None:
+            spec = self.spec
+            weights = Path(spec.source) if Path(spec.source).is_dir() else None
+            if weights is None:  # a hub id: its snapshot on this machine (config.json at least; weights if fetched)
+                weights = resolve_config_file(spec.source, revision=spec.revision, cache_dir=spec.cache_dir).parent
+            self._base = fingerprint_base(spec.source, spec.model_config, weights)
+        return self._base
 
     def save(self, path: str | os.PathLike[str], async_save: bool, extra: Mapping[str, Any] | None) -> Path:
         optimizer = self.session.require_optimizer("save_state")
@@ -73,6 +102,8 @@ class TrainingStates:
             saved_layout=topology.config.model_dump(mode="json"),
             extra=checked_extra,
             checkpoint_dtype=str(self.session.precision.checkpoint).removeprefix("torch."),
+            lora=self.lora_config(),
+            base=self.base_fingerprint(),
         )
         request = StateRequest(str(staging_directory(target)), str(target), manifest.to_json(), async_save)
         answers: list[StateAnswer] = self.fanout.every_rank(save_training_state, request)
@@ -93,6 +124,7 @@ class TrainingStates:
     def check(self, path: str | os.PathLike[str]) -> CheckedState:
         """Everything checkable on the driver (the manifest read once), before any rank reads."""
         directory = Path(path).expanduser().absolute()
+        check_lora_state(directory, read_manifest(directory), self.lora_config(), self.base_fingerprint())
         manifest = check_training_state(directory, self.spec.build_meta_model(), self.spec.config.model_type)
         try:
             optimizer = OptimizerConfig(**manifest.optimizer)

@@ -1,5 +1,6 @@
 """LoRA factors on a rank: filled at load (from a PEFT adapter directory, or freshly initialised), gathered whole
-for saving, merged into their base weights for a hub checkpoint.
+for saving (merged into their base weights for a hub checkpoint by
+:func:`~raymoe.models.common.lora.merge_stream`).
 
 Fresh factors are drawn whole, in PEFT's layout, from a generator seeded by the spec's seed and the factor's path,
 then cut to this rank's slice, so every layout starts from the same adapter values (and a test can compare them
@@ -18,7 +19,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from raymoe.checkpoint.adapter import AdapterFile, from_peft, peft_keys, to_peft
-from raymoe.models.common.lora import AdapterTarget, adapter_parameters, merged
+from raymoe.models.common.lora import AdapterTarget, adapter_parameters
 from raymoe.parallel.sharding import Block, read_local_shard
 from raymoe.rank.context import RankContext
 from raymoe.rank.contract import AdapterTensors
@@ -63,33 +64,6 @@ def full_adapters(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     for name, param in adapter_parameters(model):
         full = param.full_tensor() if isinstance(param, DTensor) else param
         yield name, full.detach().to("cpu", copy=True)
-
-
-def merge_stream(tensors: Iterator[tuple[str, Tensor]], spec: LoraSpec) -> Iterator[tuple[str, Tensor]]:
-    """``tensors`` (path, full tensor) with every adapted base weight replaced by ``W + s B A`` and the factors
-    dropped. A base waits for its factors, which its module registers after it."""
-    bases = {}
-    for target in spec.targets:
-        a_name, b_name = target.factor_names()
-        bases[f"{target.module}.{target.param or 'weight'}"] = (target, a_name, b_name)
-    factor_names = {name for _, a_name, b_name in bases.values() for name in (a_name, b_name)}
-    waiting: dict[str, Tensor] = {}
-    factors: dict[str, Tensor] = {}
-    for name, tensor in tensors:
-        if name in bases:
-            waiting[name] = tensor
-        elif name in factor_names:
-            factors[name] = tensor
-        else:
-            yield name, tensor
-        for base_name in [b for b in waiting if bases[b][1] in factors and bases[b][2] in factors]:
-            target, a_name, b_name = bases[base_name]
-            yield (
-                base_name,
-                merged(waiting.pop(base_name), factors.pop(a_name), factors.pop(b_name), target.shape.scaling),
-            )
-    if waiting:
-        raise ValueError(f"merging LoRA adapters: no factors reached {sorted(waiting)[:3]}")
 
 
 def gather_adapters(ctx: RankContext) -> AdapterTensors:

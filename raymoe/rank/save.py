@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from torch import Tensor
 
 from raymoe.checkpoint.model_io import save_model
-from raymoe.rank.adapters import merge_stream
+from raymoe.models.common.lora import merge_stream
 from raymoe.rank.context import RankContext
 from raymoe.rank.contract import SaveResult
 
@@ -38,7 +38,7 @@ def save_gathered(ctx: RankContext, directory: str, max_shard_size: int) -> Save
     loaded = ctx.require_model()
     model, tensors = loaded.runner.gathered(ctx, loaded.spec)
     if loaded.spec.lora is not None:
-        tensors = merge_stream(tensors, loaded.spec.lora)  # the hub checkpoint of the adapted model: W + s B A
+        tensors = merge_stream(tensors, loaded.spec.lora.targets)  # the adapted model's hub checkpoint: W + s B A
     if ctx.rank != 0:
         _join_remaining(tensors)
         return SaveResult()

@@ -21,7 +21,7 @@ layer shards a factor like its base along the dimensions they share.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from raymoe.models.common.shard_hints import EXPERT_BATCHED_ATTR, LORA_FACTORS_ATTR
+from raymoe.models.common.shard_hints import EXPERT_BATCHED_ATTR, LORA_FACTORS_ATTR, LORA_FROZEN_ATTR
 
 FactorRole = Literal["A", "B"]
 
@@ -157,9 +157,28 @@ def adapter_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
 
 
 def freeze_base(model: nn.Module) -> None:
-    """Only the factors train: every other parameter stops taking gradients."""
+    """Only the factors train: every other parameter stops taking gradients. Each module records the direct
+    parameters this froze (``LORA_FROZEN_ATTR``; not those frozen anyway, like a router's selection bias, which
+    bias balancing moves), so :func:`frozen_base_names` tells the base apart from what a run changes."""
+    for module in model.modules():
+        frozen = tuple(
+            name
+            for name, param in module.named_parameters(recurse=False)
+            if param.requires_grad and not is_adapter_name(name)
+        )
+        if frozen:
+            setattr(module, LORA_FROZEN_ATTR, (*getattr(module, LORA_FROZEN_ATTR, ()), *frozen))
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter_name(name))
+
+
+def frozen_base_names(model: nn.Module) -> set[str]:
+    """The paths of the parameters :func:`freeze_base` froze (the base's weights under LoRA; empty without it)."""
+    return {
+        f"{path}.{name}" if path else name
+        for path, module in model.named_modules()
+        for name in getattr(module, LORA_FROZEN_ATTR, ())
+    }
 
 
 def merged(base: Tensor, a: Tensor, b: Tensor, scaling: float) -> Tensor:
@@ -171,3 +190,32 @@ def merged(base: Tensor, a: Tensor, b: Tensor, scaling: float) -> Tensor:
 def scaling_of(r: int, alpha: float, rslora: bool) -> float:
     """``alpha / r``, or ``alpha / sqrt(r)`` under rank-stabilised LoRA."""
     return alpha / math.sqrt(r) if rslora else alpha / r
+
+
+def merge_stream(
+    tensors: Iterable[tuple[str, Tensor]], targets: Iterable[AdapterTarget]
+) -> Iterator[tuple[str, Tensor]]:
+    """``tensors`` (path, full tensor) with every adapted base weight replaced by ``W + s B A`` and the factors
+    dropped. A base waits for its factors, which its module registers after it."""
+    bases = {}
+    for target in targets:
+        a_name, b_name = target.factor_names()
+        bases[f"{target.module}.{target.param or 'weight'}"] = (target, a_name, b_name)
+    factor_names = {name for _, a_name, b_name in bases.values() for name in (a_name, b_name)}
+    waiting: dict[str, Tensor] = {}
+    factors: dict[str, Tensor] = {}
+    for name, tensor in tensors:
+        if name in bases:
+            waiting[name] = tensor
+        elif name in factor_names:
+            factors[name] = tensor
+        else:
+            yield name, tensor
+        for base_name in [b for b in waiting if bases[b][1] in factors and bases[b][2] in factors]:
+            target, a_name, b_name = bases[base_name]
+            yield (
+                base_name,
+                merged(waiting.pop(base_name), factors.pop(a_name), factors.pop(b_name), target.shape.scaling),
+            )
+    if waiting:
+        raise ValueError(f"merging LoRA adapters: no factors reached {sorted(waiting)[:3]}")

@@ -32,6 +32,7 @@ EXPERT_BATCHED_ATTR = "expert_batched"
 OUTPUT_BIAS_ATTR = "output_bias"
 FLOAT32_ATTR = "float32_parameters"
 LORA_FACTORS_ATTR = "lora_factors"
+LORA_FROZEN_ATTR = "lora_frozen"  # the direct parameters LoRA froze (trainable in full fine-tuning)
 
 
 def float32_modules(model: nn.Module) -> dict[str, nn.Module]:
