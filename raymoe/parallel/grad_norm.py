@@ -1,4 +1,5 @@
-"""The gradient norm of a sharded model over both meshes (SPEC TRAIN-2), and clipping by it.
+"""The gradient norm of a sharded model over both meshes (SPEC TRAIN-2), and clipping by it; before both, the
+gradients still pending a sum (a LoRA factor replicated over a mesh its base is split on) are summed.
 
 Gradients are DTensors on the dense mesh (dp_replicate, fsdp, tp), DTensors on the expert mesh
 (dp_replicate, efsdp, ep), or plain tensors every rank holds whole. Each layout's squared local
@@ -13,6 +14,17 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
+
+
+def sum_partial_grads(params: list[nn.Parameter]) -> None:
+    """Sum, over their mesh, the gradients that came back ``Partial`` (each rank holding its part of the sum: a LoRA
+    factor replicated where its base is split, :mod:`raymoe.parallel.adapters`), so they are whole before the norm
+    and the optimizer read them: one all-reduce per such gradient, once per step (after every micro-batch)."""
+    for param in params:
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            whole = [Replicate() if p.is_partial() else p for p in grad.placements]
+            param.grad = grad.redistribute(grad.device_mesh, whole)
 
 
 def grad_norm(

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from raymoe.parallel.grad_norm import clip_grads, grad_norm
+from raymoe.parallel.grad_norm import clip_grads, grad_norm, sum_partial_grads
 from raymoe.rank.balance import record_routing, routers, sum_over_batches, update_selection_bias
 from raymoe.rank.context import LoadedModel, RankContext, Training
 from raymoe.rank.contract import MicroBatch, StepResult
@@ -123,6 +123,7 @@ def _optimizer_step(
     returns the norm before clipping."""
     optimizer, config = training.optimizer, training.config
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    sum_partial_grads(params)
     norm = grad_norm(params, across=across, device=device)
     if config.max_grad_norm is not None:
         clip_grads(params, norm, config.max_grad_norm)

@@ -125,14 +125,6 @@ def prepare_launch(
         check_checkpoint(local, model)
         source = str(local.absolute())
     adapters = resolve_lora(lora, model) if lora is not None else None
-    tp_size, ep_size = topology.config.tp_size or 1, topology.config.ep_size or 1
-    if adapters is not None and tp_size > 1 and topology.config.dp_size == 1 and ep_size == 1:
-        # Measured: tensor parallelism alone (no FSDP2, no EP) trains adapters off PEFT's losses in the test suite
-        # while every layout with FSDP2 or EP (tp included) equals them; refused until the cause is found.
-        raise ValueError(
-            f"LoRA with tp_size={topology.config.tp_size} and no data or expert parallelism is not supported yet; "
-            "add fsdp_size (or ep_size), e.g. tp_size=2, fsdp_size=2"
-        )
     if adapters is not None:
         add_adapters(model, adapters)
         if adapters.adapter_dir is not None:  # its tensors' names and shapes, from the safetensors header

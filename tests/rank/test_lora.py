@@ -30,6 +30,7 @@ TARGETS = {
     DEEPSEEK: ["q_proj", "kv_b_proj", "o_proj"],
 }
 LAYOUTS = {
+    "tp2": {"tp_size": 2},
     "fsdp4-ep4": {"fsdp_size": 4, "ep_size": 4},
     "tp4-ep4-masked": {"tp_size": 4, "ep_size": 4, "ep_plan": MASKED},
     "tp2-fsdp2-ep2": {"tp_size": 2, "fsdp_size": 2, "ep_size": 2},
@@ -96,13 +97,6 @@ def _check_training(name, config, load, tiny_checkpoint, load_hf_model, padded_b
         assert (merged(input_ids=ids).logits - logits).abs().max().item() <= 1e-5
 
 
-def test_tensor_parallelism_alone_is_refused(tiny_checkpoint):
-    from raymoe.spec.launch import prepare_launch
-
-    with pytest.raises(ValueError, match="LoRA with tp_size=2 and no data or expert parallelism"):
-        prepare_launch(tiny_checkpoint(QWEN_EP), {"tp_size": 2}, lora={"target_modules": ["q_proj"]})
-
-
 @pytest.mark.parametrize("name", [QWEN_DENSE_MID, GPT_OSS])
 def test_one_rank_training_equals_peft(name, load_local, tiny_checkpoint, load_hf_model, padded_batches, tmp_path):
     _check_training(name, {}, load_local, tiny_checkpoint, load_hf_model, padded_batches, tmp_path)
@@ -112,6 +106,7 @@ def test_one_rank_training_equals_peft(name, load_local, tiny_checkpoint, load_h
 @pytest.mark.parametrize(
     ("name", "layout_name"),
     [
+        (QWEN_EP, "tp2"),
         (QWEN_EP, "fsdp4-ep4"),
         (QWEN_EP, "tp4-ep4-masked"),
         (QWEN_EP, "tp2-fsdp2-ep2"),
