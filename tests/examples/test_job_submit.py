@@ -57,12 +57,12 @@ def ray_env(token: str) -> dict[str, str]:
 def ray_head(env: dict[str, str], temp_dir: Path):
     """A head node with 8 CPUs and a dashboard on 127.0.0.1, started in ``temp_dir``; yields the dashboard URL and
     the cluster's address."""
-    dashboard, gcs = free_port(), free_port()
+    dashboard, gcs, agent = free_port(), free_port(), free_port()
     command = [
         BIN / "ray", "start", "--head", "--block", "--disable-usage-stats",
         "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=8",
         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-        f"--dashboard-agent-listen-port={free_port()}", f"--ray-client-server-port={free_port()}",
+        f"--dashboard-agent-listen-port={agent}", f"--ray-client-server-port={free_port()}",
         f"--temp-dir={temp_dir}",
     ]  # fmt: skip
     log = (temp_dir.parent / "ray-start.log").open("w")
@@ -71,25 +71,32 @@ def ray_head(env: dict[str, str], temp_dir: Path):
     )
     try:
         url = f"http://127.0.0.1:{dashboard}"
-        wait_for_dashboard(url, env["RAY_AUTH_TOKEN"], head)
+        wait_for_dashboard(url, f"http://127.0.0.1:{agent}", env["RAY_AUTH_TOKEN"], head)
         yield url, f"127.0.0.1:{gcs}"
     finally:
         stop_head(head)
         log.close()
 
 
-def wait_for_dashboard(url: str, token: str, head: subprocess.Popen, timeout_s: float = 90) -> None:
+def wait_for_dashboard(url: str, agent_url: str, token: str, head: subprocess.Popen, timeout_s: float = 90) -> None:
+    """Until the dashboard answers the Jobs API and the head node's dashboard agent (which runs the jobs) answers its
+    health check. The dashboard comes up first; a job submitted before the agent is up waits for it only 10 s
+    (Ray's ``WAIT_AVAILABLE_AGENT_TIMEOUT``), which a loaded machine can exceed. The agent registers its address
+    right after its HTTP server starts, so once it answers, a submission finds it."""
     deadline = time.monotonic() + timeout_s
+    pending = [f"{url}/api/jobs/", f"{agent_url}/api/healthz"]
     while time.monotonic() < deadline:
         if head.poll() is not None:
             raise RuntimeError(f"ray start exited with {head.returncode}")
         try:
-            if get(f"{url}/api/jobs/", token) == 200:
+            while pending and get(pending[0], token) == 200:
+                pending.pop(0)
+            if not pending:
                 return
         except (urllib.error.URLError, ConnectionError):
             pass
         time.sleep(1)
-    raise TimeoutError(f"the Ray dashboard at {url} did not answer within {timeout_s}s")
+    raise TimeoutError(f"{pending[0]} (the Ray head's dashboard or its agent) did not answer within {timeout_s}s")
 
 
 def stop_head(head: subprocess.Popen) -> None:
