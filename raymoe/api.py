@@ -75,24 +75,9 @@ def from_pretrained(
     (``actors.RankHangError``). Raise it for a step or a shard read slower than that.
     """
     config = as_config(distributed_config)
-    if world is not None:
-        size = world_size if world_size is not None else world.world_size
-        spec = prepare_launch(
-            name_or_path,
-            config,
-            world_size=size,
-            dtype=dtype,
-            revision=revision,
-            cache_dir=cache_dir,
-            precision=precision,
-            lora=lora,
-        )
-        return DistributedModel.launch(spec, world, owns_group=False)
+    if world is None and config.tp_is_deferred and world_size is None:
+        from actors.cluster import cluster_gpus, connect
 
-    from actors.cluster import cluster_gpus, connect
-    from actors.group import RayRankGroup
-
-    if config.tp_is_deferred and world_size is None:
         connect(num_ranks=1, cpus_per_rank=cpus_per_rank)
         world_size = cluster_gpus()
         if world_size == 0:
@@ -100,6 +85,8 @@ def from_pretrained(
                 "tp_plan='auto' without tp_size takes the world size from the cluster's GPUs, and it has "
                 "none; pass world_size= or set tp_size"
             )
+    if world is not None and world_size is None:
+        world_size = world.world_size
     spec = prepare_launch(
         name_or_path,
         config,
@@ -110,6 +97,11 @@ def from_pretrained(
         precision=precision,
         lora=lora,
     )
+    if world is not None:
+        return DistributedModel.launch(spec, world, owns_group=False)
+
+    from actors.group import RayRankGroup
+
     options = _group_options(
         spec.topology.world_size, use_gpu, cpus_per_rank, backend, placement_timeout_s, collective_timeout_s
     )
