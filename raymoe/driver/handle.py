@@ -39,6 +39,7 @@ from raymoe.rank.contract import LoadReport
 from raymoe.rank.load import load_shards
 from raymoe.spec.balance import DEFAULT_BIAS_UPDATE_RATE, BalanceConfig, BalanceOptions
 from raymoe.spec.launch import LaunchSpec
+from raymoe.spec.lora import LoraConfig
 from raymoe.spec.optimizer import OptimizerConfig
 from raymoe.spec.plans import ResolvedPlans
 from raymoe.spec.precision import PrecisionPolicy
@@ -103,6 +104,11 @@ class DistributedModel:
     @property
     def supports_tp_plan(self) -> bool:
         return bool(self._spec.plans.tp_plan)
+
+    @property
+    def lora(self) -> LoraConfig | None:
+        """The LoRA adapters' config (a PEFT directory's when loaded from one), or None: every weight trains."""
+        return self._spec.lora.config if self._spec.lora is not None else None
 
     @property
     def precision(self) -> PrecisionPolicy:

@@ -8,10 +8,10 @@
                                  assistant-only loss, document-masked packing) -> model.train_step(lr=schedule(step),
                                  micro_batches=gradient_accumulation_steps) -> metrics.jsonl + progress bar;
                                  eval before the first step, every eval_every steps and after the last;
-                                 checkpoint every save_every steps and at the end; training state every
+                                 checkpoint/adapter every save_every steps and at the end; training state every
                                  save_state_every steps; metrics.png at the end; a failed step goes to the
                                  failure policy (recovery), a signal stops at the next boundary (interrupts)
-      evaluate() / save()        on request
+      evaluate() / save()        on request (save_adapter(): a LoRA model's PEFT directory)
       save_state()
 
 Resuming (``resume_from="latest"`` or a state directory): the whole training state (weights, AdamW, balance
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +83,10 @@ class Trainer:
         if self.eval_data is not None:
             self._check_data(self.eval_data, "eval data", min_rows=1)
         self._check_batch_layout()
+        if config.save_adapter and model.lora is None:
+            raise ValueError(
+                "TrainerConfig: save_adapter=True, but the model has no LoRA adapters (from_pretrained(..., lora=...))"
+            )
         self.schedule = config.schedule()
         self.run = config.run_directory()
         self.output_dir, self.states_dir = self.run.root, self.run.states
@@ -113,6 +117,7 @@ class Trainer:
         else:
             if config.overwrite:
                 self.run.clear_states()
+                self.run.clear_unsaved(checkpoint=config.save_checkpoint, adapter=config.save_adapter)
             model.use_training_config(config.optimizer(), config.balance_options())
         self._batches = self._batches_from(self.step)
         self.log = MetricsLog(self.run.metrics, keep_through_step=self.step if checked is not None else None)
@@ -163,11 +168,14 @@ class Trainer:
         begin = self.step
         self._last_state = None
         with self._stops.listening():
-            train_time, checkpoint = self._run_steps(count)
+            train_time, saved = self._run_steps(count)
         # also a run resumed from a state of its last step, which may have stopped before its final checkpoint
-        finished_unsaved = self.resumed_from is not None and not self.run.checkpoint.exists()
+        finished_unsaved = self.resumed_from is not None and not self.run.saved(
+            checkpoint=self.config.save_checkpoint, adapter=self.config.save_adapter
+        )
         if self.config.save_at_end and (count > 0 or finished_unsaved) and not self._save_due():
-            checkpoint = self.save()
+            saved = self._save_due_files()
+        checkpoint, adapter = saved
         self._finish_state_save()
         plot = plot_metrics(self.log.records, self.run.plot) if self.log.records else None
         run = [r for r in self.log.records if "loss" in r and r["step"] > begin]
@@ -181,6 +189,7 @@ class Trainer:
             num_tokens=sum(r["num_tokens"] for r in run),
             train_time_s=train_time,
             checkpoint=checkpoint,
+            adapter=adapter,
             metrics_file=self.log.path,
             plot_file=plot,
             resumed_from=self.resumed_from,
@@ -189,10 +198,11 @@ class Trainer:
             history=list(self.log.records),
         )
 
-    def _run_steps(self, count: int) -> tuple[float, Path | None]:
+    def _run_steps(self, count: int) -> tuple[float, tuple[Path | None, Path | None]]:
         """``count`` steps under the progress bar (which counts from the step the run is at, to ``steps``);
-        returns their wall time and the last periodic checkpoint."""
-        train_time, checkpoint = 0.0, None
+        returns their wall time and the last periodic save (checkpoint, adapter)."""
+        train_time: float = 0.0
+        saved: tuple[Path | None, Path | None] = (None, None)
         total = max(self.config.steps, self.step + count)
         progress = {"desc": "train", "unit": "step", "disable": not self.config.progress, "mininterval": 0.5}
         target = self.step + count
@@ -208,7 +218,7 @@ class Trainer:
                     bar.set_postfix(progress_postfix(record), refresh=False)
                     bar.update()
                     if self._save_due():
-                        checkpoint = self.save()
+                        saved = self._save_due_files()
                     if self._state_due():
                         self.save_state()
                     if self._stops.signal is not None:
@@ -221,7 +231,7 @@ class Trainer:
                     self._restart(error)
                     bar.reset(total=total)
                     bar.update(self.step)
-        return train_time, checkpoint
+        return train_time, saved
 
     def _stop_at_boundary(self) -> None:
         """Save the state of the step just finished (unless it is saved already), then raise TrainingInterrupted."""
@@ -330,12 +340,27 @@ class Trainer:
             yield chunk.with_blank_rows(least - chunk.num_sequences)
 
     def save(self, path: str | Path | None = None) -> Path:
-        """Write the model (hub layout, by rank 0 on its node) and the tokenizer; default ``output_dir/checkpoint``."""
-        target = Path(path).expanduser().absolute() if path is not None else self.run.checkpoint
-        self.model.save_pretrained(target)
+        """Write the model (hub layout, by rank 0 on its node; a LoRA model merged) and the tokenizer; default
+        ``output_dir/checkpoint``."""
+        return self._write(self.model.save_pretrained, path if path is not None else self.run.checkpoint)
+
+    def save_adapter(self, path: str | Path | None = None) -> Path:
+        """Write a LoRA model's adapters (a PEFT directory, from the driver) and the tokenizer; default
+        ``output_dir/adapter``."""
+        return self._write(self.model.save_adapter, path if path is not None else self.run.adapter)
+
+    def _write(self, save: Callable[[Path], object], path: str | Path) -> Path:
+        target = Path(path).expanduser().absolute()
+        save(target)
         if self.tokenizer is not None:
             self.tokenizer.save(target)
         return target
+
+    def _save_due_files(self) -> tuple[Path | None, Path | None]:
+        """What ``save_every`` and the end write: the checkpoint and/or the adapter, as the config says."""
+        checkpoint = self.save() if self.config.save_checkpoint else None
+        adapter = self.save_adapter() if self.config.save_adapter else None
+        return checkpoint, adapter
 
     def save_state(self) -> Path:
         """Write the whole training state and this Trainer's position to ``output_dir/states/step-<n>`` (what

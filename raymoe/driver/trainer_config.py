@@ -29,14 +29,19 @@ class TrainerConfig:
     save only at the end. ``balance``, ``router_aux_loss_coef``, ``bias_update_rate`` and
     ``capacity_factor`` are the load-balancing options of :mod:`raymoe.spec.balance`.
 
+    A save (``save_every``, the end) writes ``output_dir/checkpoint`` (``save_checkpoint``: the hub checkpoint; of a
+    LoRA model, the merged weights ``W + s B A``) and/or ``output_dir/adapter`` (``save_adapter``: a LoRA model's
+    adapters as a PEFT directory, what ``from_pretrained(base, lora=...)`` loads), each with the tokenizer.
+
     ``save_state_every``: after every that many steps, the whole training state goes to
     ``output_dir/states/step-<n>`` (``async_save``: written while training goes on; the next save and the end of
     :meth:`Trainer.fit` wait for it); then all but the newest ``keep_last`` states are removed (None keeps all).
     ``resume_from``: ``"latest"`` continues from the newest complete state under ``output_dir/states`` (none yet:
     start at step 0, as the first launch of an auto-restarting job does), a path from that state.
-    An ``output_dir`` that holds an earlier run (a non-empty ``metrics.jsonl``, ``checkpoint/`` or a state) is
-    refused without ``resume_from``, unless ``overwrite=True``, which removes its states and starts the metrics
-    afresh (the next save replaces ``checkpoint/``).
+    An ``output_dir`` that holds an earlier run (a non-empty ``metrics.jsonl``, ``checkpoint/``, ``adapter/`` or a
+    state) is refused without ``resume_from``, unless ``overwrite=True``, which removes its states and whichever of
+    ``checkpoint/`` and ``adapter/`` this run does not save, and starts the metrics afresh (the next save replaces
+    the others).
     ``max_failures``: how many times :meth:`Trainer.fit` restarts the model's ranks when one dies or hangs (new
     actors, the newest state reloaded, or the initial weights before the first state), so the finished run equals
     an uninterrupted one; 0 raises the first failure.
@@ -62,6 +67,8 @@ class TrainerConfig:
     eval_every: int | None = None
     save_every: int | None = None
     save_at_end: bool = True
+    save_checkpoint: bool = True
+    save_adapter: bool = False
     seed: int = 0
     progress: bool = True
     save_state_every: int | None = None
@@ -80,9 +87,14 @@ class TrainerConfig:
         for name in ("eval_every", "save_every", "save_state_every", "keep_last"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), minimum=1)
-        for name in ("async_save", "overwrite", "save_state_on_interrupt"):
+        for name in ("save_checkpoint", "save_adapter", "async_save", "overwrite", "save_state_on_interrupt"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TrainerConfig: {name}={getattr(self, name)!r} must be True or False")
+        if not (self.save_checkpoint or self.save_adapter):
+            raise ValueError(
+                "TrainerConfig: save_checkpoint=False and save_adapter=False leave a save nothing to write; to save "
+                "nothing, set save_at_end=False and save_every=None"
+            )
         resume = self.resume_from
         if resume is not None and (not isinstance(resume, str | os.PathLike) or not str(resume)):
             raise ValueError(

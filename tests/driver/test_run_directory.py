@@ -27,13 +27,18 @@ def test_an_earlier_run_is_named_and_refused(tmp_path):
     run = RunDirectory(tmp_path)
     run.metrics.write_text('{"step": 1}\n')
     run.checkpoint.mkdir()
+    run.adapter.mkdir()
     fake_state(tmp_path, 2)
     held = run.earlier_run()
-    assert held == ["a non-empty metrics.jsonl", "a checkpoint/ directory", "1 training state(s) in states/, "
-                    "the latest of step 2"]  # fmt: skip
+    assert held == ["a non-empty metrics.jsonl", "a checkpoint/ directory", "an adapter/ directory",
+                    "1 training state(s) in states/, the latest of step 2"]  # fmt: skip
     with pytest.raises(ValueError, match=r"holds an earlier run .* resume_from='latest'"):
         run.start_point(None, overwrite=False)
     assert run.start_point(None, overwrite=True) is None
+    run.clear_unsaved(checkpoint=True, adapter=False)  # a run that saves the checkpoint only: the adapter goes
+    assert run.checkpoint.is_dir() and not run.adapter.exists()
+    run.clear_unsaved(checkpoint=False, adapter=True)
+    assert not run.checkpoint.exists()
 
 
 def test_keep_last_prunes_older_states_but_never_the_one_written(tmp_path):

@@ -357,3 +357,35 @@ def test_metrics_log_resumes_through_a_step(tmp_path):
         MetricsLog(path, keep_through_step=2)
     assert MetricsLog(path).records == [] and path.read_text() == ""
     assert MetricsLog(tmp_path / "absent.jsonl", keep_through_step=3).records == []
+
+
+def test_a_lora_run_saves_its_adapter_and_the_merged_checkpoint_only_when_asked(load_local, tiny, tmp_path):
+    """save_adapter: output_dir/adapter (PEFT files and the tokenizer) at save_every and the end, and no checkpoint/
+    without save_checkpoint; adapter/ is an earlier run's; overwrite removes what the new run does not save."""
+    from raymoe.driver.tiny import tiny_tokenizer
+
+    train = ragged_rows(16, seed=9)
+    lora = raymoe.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], target_parameters=["mlp.experts.down_proj"])
+    options = dict(output_dir=tmp_path, steps=2, global_batch_size=BATCH, lr=1e-3, progress=False)
+    adapter = tmp_path / "adapter"
+    with load_local(tiny, {}, lora=lora) as model:
+        assert model.lora is not None and model.lora.r == 2
+        config = TrainerConfig(save_adapter=True, save_checkpoint=False, save_every=1, **options)
+        summary = Trainer(model, train, config, tokenizer=tiny_tokenizer()).fit()
+        assert summary.adapter == adapter and summary.checkpoint is None and not (tmp_path / "checkpoint").exists()
+        assert {p.name for p in adapter.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+        assert (adapter / "tokenizer.json").is_file()
+        with pytest.raises(
+            ValueError, match=r"holds an earlier run \(a non-empty metrics.jsonl, an adapter/ directory"
+        ):
+            Trainer(model, train, TrainerConfig(save_adapter=True, **options))
+        # the merged checkpoint alone, over the earlier run: its adapter/ goes (this run would leave it stale)
+        merged = Trainer(model, train, TrainerConfig(overwrite=True, **options)).fit()
+        assert not adapter.exists() and merged.adapter is None
+        assert (merged.checkpoint / "model.safetensors").is_file() and not any(
+            "lora" in k for k in hub_weights(merged.checkpoint)
+        )
+    with load_local(tiny, {}) as model:
+        assert model.lora is None
+        with pytest.raises(ValueError, match=r"save_adapter=True, but the model has no LoRA adapters"):
+            Trainer(model, train, TrainerConfig(save_adapter=True, output_dir=tmp_path / "full", steps=2))
