@@ -10,29 +10,43 @@
     ray job submit --working-dir . -- python examples/finetune.py ...      on the cluster the job runs in
     python examples/finetune.py --save-state-every 20 --resume     an auto-restarting job: each launch goes on
                                                 from the newest training state in --output-dir (the first starts)
+    python examples/finetune.py --lora-r 16 [--lora-alpha 32] [--lora-targets q_proj v_proj mlp.experts.down_proj]
+                                                LoRA: rank-16 adapters on a frozen base (default targets: every
+                                                linear layer of the attention and the fused expert weights);
+                                                --output-dir gets adapter/ (PEFT's format), checkpoint/ (merged)
+                                                only with --save-merged
+    python examples/finetune.py --adapter runs/finetune/adapter ...   keep training a PEFT adapter directory
 
 The driver connects to the Ray cluster it runs in (``RAY_ADDRESS``, as ``ray job submit`` sets it;
 a cluster started on this machine; else a new local instance). Bad input (a missing or empty
 dataset, a sequence longer than the model allows, sizes that do not fit the cluster) ends the
 run with one error line before any training step, as does an --output-dir that holds an earlier run when
 neither --resume (continue it) nor --overwrite (start over) is given: checked before the cluster starts.
-So does bad chat data (a conversation without an assistant turn, an unknown role, one longer than --seq-len
-without --overlong truncate|drop, conversations for a checkpoint without a chat template), naming file and row.
+So do LoRA flags that contradict each other or do not fit the model (--adapter with --lora-r, --lora-r 0, a target
+the model lacks), and bad chat data (a conversation without an assistant turn, an unknown role, one longer than
+--seq-len without --overlong truncate|drop, conversations for a checkpoint without a chat template), naming file and
+row.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+
+from torch import nn
 
 import raymoe
 from actors import PlacementError, RankError
 from raymoe.checkpoint import resolve_config_file
 from raymoe.driver.batch import check_input_ids
 from raymoe.driver.tokenizer import load_chat_template
-from raymoe.models import ModelConfig, load_model_config
+from raymoe.models import ModelConfig, build_model, load_model_config
+from raymoe.models.common.lora import adapter_parameters
+from raymoe.models.common.shard_hints import EXPERT_BATCHED_ATTR
+from raymoe.spec.lora import LoraSpec, add_adapters, resolve_lora
 
 EXAMPLES = Path(__file__).resolve().parent
 DEFAULT_DATASET = EXAMPLES / "data" / "corpus.txt"
@@ -182,16 +196,54 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="steps between evaluations; 0: only before/after (default: %(default)s)",
     )
     train.add_argument(
-        "--save-every", type=int, default=0, help="steps between checkpoints; 0: only at the end (default: %(default)s)"
+        "--save-every",
+        type=int,
+        default=0,
+        help="steps between checkpoints (checkpoint/; with LoRA adapter/); 0: only at the end (default: %(default)s)",
     )
     train.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     train.add_argument(
         "--output-dir",
         type=Path,
         default=Path("runs/finetune"),
-        help="checkpoint, metrics, plot (default: %(default)s)",
+        help="checkpoint (or LoRA adapter), metrics, plot (default: %(default)s)",
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    lora = parser.add_argument_group("LoRA adapters (the base frozen, only the adapters train; PEFT's format)")
+    lora.add_argument(
+        "--lora-r",
+        type=int,
+        metavar="N",
+        help="train rank-N LoRA adapters instead of every weight: OUTPUT_DIR/adapter is then the PEFT adapter "
+        "directory, and OUTPUT_DIR/checkpoint is written only with --save-merged",
+    )
+    lora.add_argument(
+        "--lora-alpha",
+        type=number,
+        metavar="ALPHA",
+        help="the adapters' scale is ALPHA / r (default: 2 x --lora-r)",
+    )
+    lora.add_argument(
+        "--lora-targets",
+        nargs="+",
+        metavar="NAME",
+        help="the weights that get adapters: linear layers by name (q_proj, o_proj, ..., all-linear) and, by a name "
+        "with an 'experts.' part, fused expert weights (mlp.experts.gate_up_proj, mlp.experts.down_proj) "
+        "(default: every linear layer of the attention and, on MoE models, both expert weights)",
+    )
+    lora.add_argument(
+        "--adapter",
+        type=Path,
+        metavar="DIR",
+        help="keep training this PEFT adapter directory (its r, lora_alpha and targets; not with --lora-r, "
+        "--lora-alpha or --lora-targets)",
+    )
+    lora.add_argument(
+        "--save-merged",
+        action="store_true",
+        help="with LoRA: also write OUTPUT_DIR/checkpoint, the hub checkpoint of the merged weights W + alpha / r B A",
+    )
 
     state = parser.add_argument_group("training state and resuming")
     state.add_argument(
@@ -238,6 +290,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def number(text: str) -> int | float:
+    """An int when the value is whole (``--lora-alpha 32`` is written to adapter_config.json as PEFT writes it)."""
+    value = float(text)
+    return int(value) if value.is_integer() else value
+
+
 def layout_of(args: argparse.Namespace) -> dict[str, int | str]:
     """DEFAULT_LAYOUT with the sizes given on the command line replacing its entries (and activation
     checkpointing, when asked for)."""
@@ -281,6 +339,113 @@ def check_seq_len(seq_len: int, model_config: ModelConfig) -> None:
         )
 
 
+class Lora(NamedTuple):
+    """A LoRA run: what ``from_pretrained(lora=...)`` gets (a LoraConfig, or an adapter directory), its resolved
+    targets, and the parameter counts of the whole model (not per rank)."""
+
+    request: raymoe.LoraConfig | str
+    spec: LoraSpec
+    trainable: int
+    frozen: int
+
+    def describe(self) -> str:
+        config = self.spec.config
+        modules = (
+            config.target_modules if isinstance(config.target_modules, str) else ", ".join(config.target_modules or ())
+        )
+        names = ", ".join(filter(None, [modules, ", ".join(config.target_parameters)]))
+        source = f"adapter {self.request}" if isinstance(self.request, str) else "new adapters"
+        total = self.trainable + self.frozen
+        return (
+            f"LoRA ({source}): r {config.r}, lora_alpha {config.lora_alpha} on {names}: {len(self.spec.targets)} "
+            f"adapted weights, {self.trainable:,} trainable parameters ({self.trainable / total:.2%} of {total:,})"
+        )
+
+
+def uses_lora(args: argparse.Namespace) -> bool:
+    return args.lora_r is not None or args.adapter is not None
+
+
+def check_lora_flags(args: argparse.Namespace) -> None:
+    """The LoRA flags against each other, before anything is read."""
+    given = (("--lora-r", args.lora_r), ("--lora-alpha", args.lora_alpha), ("--lora-targets", args.lora_targets))
+    fresh = [flag for flag, value in given if value is not None]
+    if args.adapter is not None and fresh:
+        raise ValueError(
+            f"--adapter {args.adapter} trains the adapter in that directory with its own r, lora_alpha and targets "
+            f"(its adapter_config.json); drop {', '.join(fresh)}, or drop --adapter to train new adapters"
+        )
+    if args.lora_r is None and fresh:
+        raise ValueError(f"{', '.join(fresh)} without --lora-r: --lora-r N turns LoRA on (new rank-N adapters)")
+    if args.save_merged and not uses_lora(args):
+        raise ValueError(
+            "--save-merged writes the merged weights of a LoRA run; give --lora-r N or --adapter DIR (without LoRA, "
+            "checkpoint/ holds the whole trained model anyway)"
+        )
+
+
+def default_lora_targets(model: nn.Module) -> tuple[list[str], list[str]]:
+    """``(target_modules, target_parameters)`` when --lora-targets is not given, read from ``model`` (the meta
+    model), since a target that matches nothing is an error: every linear layer of the attention, by its name
+    (q_proj, k_proj, v_proj, o_proj; DeepSeek-V3's MLA: q_proj or q_a_proj and q_b_proj, kv_a_proj_with_mqa,
+    kv_b_proj, o_proj), and the fused expert weights of a MoE model (mlp.experts.gate_up_proj,
+    mlp.experts.down_proj; a dense model has none)."""
+    linear = [name for name, module in model.named_modules() if type(module) is nn.Linear]
+    modules: list[str] = []
+    for name in linear:
+        leaf = name.rpartition(".")[2]
+        if ".self_attn." in name and leaf not in modules:
+            modules.append(leaf)
+    # A leaf name that a linear layer outside the attention has too would adapt that one as well: qualified then.
+    modules = [
+        leaf if all(".self_attn." in name for name in linear if name.endswith(f".{leaf}")) else f"self_attn.{leaf}"
+        for leaf in modules
+    ]
+    parameters: list[str] = []
+    for name, param in model.named_parameters():
+        module_name, _, _ = name.rpartition(".")
+        if param.ndim == 3 and getattr(model.get_submodule(module_name), EXPERT_BATCHED_ATTR, False):
+            entry = re.sub(r"^(.*\.)?\d+\.", "", name)  # model.layers.0.mlp.experts.down_proj -> mlp.experts.down_proj
+            if entry not in parameters:
+                parameters.append(entry)
+    return modules, parameters
+
+
+def is_expert_weight(name: str) -> bool:
+    """A --lora-targets name of a fused expert weight: one with an ``experts.`` part (``mlp.experts.down_proj``;
+    not ``mlp.shared_experts.down_proj``, a linear layer)."""
+    return re.search(r"(^|\.)experts\.[^.]+$", name) is not None
+
+
+def lora_of(args: argparse.Namespace, model_config: ModelConfig) -> Lora | None:
+    """The LoRA request of the flags (None: no LoRA), resolved against the model on the driver: a bad value, a
+    target the model does not have or an adapter directory that is none is a ValueError naming it, before any
+    cluster starts."""
+    if not uses_lora(args):
+        return None
+    model = build_model(model_config)  # on meta: names and shapes only
+    request: raymoe.LoraConfig | str
+    if args.adapter is not None:
+        request = str(args.adapter.expanduser().absolute())  # the ranks may run in another directory
+    else:
+        if args.lora_targets is None:
+            modules, parameters = default_lora_targets(model)
+        else:
+            modules = [name for name in args.lora_targets if not is_expert_weight(name)]
+            parameters = [name for name in args.lora_targets if is_expert_weight(name)]
+        alpha = args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r
+        request = raymoe.LoraConfig(
+            r=args.lora_r,
+            lora_alpha=alpha,
+            target_modules="all-linear" if modules == ["all-linear"] else (modules or None),
+            target_parameters=parameters,
+        )
+    spec = resolve_lora(request, model)
+    add_adapters(model, spec)
+    trainable = sum(param.numel() for _, param in adapter_parameters(model))
+    return Lora(request, spec, trainable, sum(param.numel() for param in model.parameters()) - trainable)
+
+
 def trainer_config(args: argparse.Namespace) -> raymoe.TrainerConfig:
     return raymoe.TrainerConfig(
         output_dir=args.output_dir,
@@ -298,6 +463,8 @@ def trainer_config(args: argparse.Namespace) -> raymoe.TrainerConfig:
         capacity_factor=args.capacity_factor,
         eval_every=args.eval_every or None,
         save_every=args.save_every or None,
+        save_checkpoint=not uses_lora(args) or args.save_merged,
+        save_adapter=uses_lora(args),
         seed=args.seed,
         progress=not args.no_progress,
         save_state_every=args.save_state_every or None,
@@ -309,9 +476,10 @@ def trainer_config(args: argparse.Namespace) -> raymoe.TrainerConfig:
     )
 
 
-def run(args: argparse.Namespace) -> raymoe.TrainSummary:
+def run(args: argparse.Namespace) -> tuple[raymoe.TrainSummary, Lora | None]:
     # Everything checkable without a cluster comes first: the config, the output directory (an earlier run there
-    # is resumed, overwritten or refused), the data, the sequence length.
+    # is resumed, overwritten or refused), the LoRA flags, the data, the sequence length.
+    check_lora_flags(args)
     config = trainer_config(args)
     resume = config.check_output_dir()
     if resume is not None:
@@ -321,6 +489,7 @@ def run(args: argparse.Namespace) -> raymoe.TrainSummary:
         tokenizer = tokenizer.with_chat_template(load_chat_template(args.chat_template, tokenizer.special_tokens))
     model_config = check_model_fits(model_source, config)
     check_seq_len(args.seq_len, model_config)
+    lora = lora_of(args, model_config)
     data = load_data(args, tokenizer)
     check_seq_len(data.seq_len, model_config)  # packed .npy rows bring their own length
     # Pre-tokenized data may hold any integer: checked here, before Ray starts, as the handle would later.
@@ -331,16 +500,19 @@ def run(args: argparse.Namespace) -> raymoe.TrainSummary:
     print(f"model {name}, layout {layout}, {data.num_sequences} sequences of {data.seq_len} tokens from {args.dataset}")
     if data.report is not None:
         print(f"data: {data.report.summary()}")
+    if lora is not None:
+        print(lora.describe())
     with raymoe.from_pretrained(
         model_source,
         distributed_config=layout,
         dtype=args.dtype,
         precision=args.precision,
         cpus_per_rank=args.cpus_per_rank,
+        lora=lora.request if lora is not None else None,
     ) as model:
         print(model.describe())
         trainer = raymoe.Trainer(model, train_data, config, eval_data=eval_data, tokenizer=tokenizer)
-        return trainer.fit()
+        return trainer.fit(), lora
 
 
 def load_data(args: argparse.Namespace, tokenizer: raymoe.TextTokenizer | None) -> raymoe.PackedData:
@@ -364,17 +536,26 @@ def load_data(args: argparse.Namespace, tokenizer: raymoe.TextTokenizer | None) 
     )
 
 
-def print_summary(summary: raymoe.TrainSummary) -> None:
+def print_summary(summary: raymoe.TrainSummary, lora: Lora | None = None) -> None:
     def loss(value: float | None) -> str:
         return f"{value:.3f}" if value is not None else "-"
 
+    if lora is None:
+        saved: list[tuple[str, Any]] = [("checkpoint", summary.checkpoint or "not saved")]
+    else:
+        config = lora.spec.config
+        saved = [
+            ("trainable", f"{lora.trainable:,} parameters (LoRA r {config.r}, lora_alpha {config.lora_alpha})"),
+            ("adapter", summary.adapter or "not saved"),
+            ("checkpoint", summary.checkpoint or "not saved (--save-merged writes the merged model)"),
+        ]
     lines: list[tuple[str, Any]] = [
         ("steps", summary.steps),
         *([("resumed", summary.resumed_from)] if summary.resumed_from is not None else []),
         ("train loss", f"{loss(summary.first_loss)} -> {loss(summary.last_loss)} (first -> last step)"),
         ("eval loss", f"{loss(summary.eval_loss_before)} -> {loss(summary.eval_loss_after)} (before -> after)"),
         ("throughput", f"{summary.tokens_per_s:.0f} label tokens/s ({summary.num_tokens} tokens)"),
-        ("checkpoint", summary.checkpoint or "not saved"),
+        *saved,
         ("state", summary.state or "not saved"),
         ("metrics", summary.metrics_file),
         ("plot", summary.plot_file or "-"),
@@ -385,7 +566,7 @@ def print_summary(summary: raymoe.TrainSummary) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        summary = run(args)
+        summary, lora = run(args)
     except (ValueError, PlacementError) as exc:
         # Bad input, or sizes the cluster cannot host: raised on the driver before any training step.
         print(f"finetune.py: error: {exc}", file=sys.stderr)
@@ -404,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         # once; leaving `with from_pretrained(...)` has freed every rank either way.
         print(f"finetune.py: interrupted: {exc or 'stopped at once'}", file=sys.stderr)
         return 130
-    print_summary(summary)
+    print_summary(summary, lora)
     return 0
 
 

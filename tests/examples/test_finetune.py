@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from ray.util.state import list_actors
 
 from raymoe import build_tiny_checkpoint
@@ -289,3 +290,174 @@ def test_sigint_stops_at_a_step_boundary_saves_the_state_and_frees_every_rank(ra
     while rank_actors_alive(ray_session) - before and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not rank_actors_alive(ray_session) - before
+
+
+# --- LoRA (--lora-r, --adapter) -------------------------------------------------------------------------------------
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def adapter_files(directory: Path) -> tuple[dict, dict]:
+    """``(adapter_config.json, {PEFT key: tensor})`` of a PEFT adapter directory."""
+    from safetensors.torch import load_file
+
+    return json.loads((directory / "adapter_config.json").read_text()), load_file(
+        directory / "adapter_model.safetensors"
+    )
+
+
+@pytest.mark.slow
+def test_a_lora_run_writes_a_peft_adapter_resumes_and_goes_on_from_it(ray_session, finetune, tmp_path, capsys):
+    """--lora-r 4 on the embedded model (2 ranks, experts over ep): OUTPUT_DIR/adapter is a PEFT directory of every
+    attention and expert weight's factors and nothing else, no checkpoint/; --resume from its state of step 2 ends
+    with the same adapter; --adapter DIR --save-merged trains that adapter further (its eval before the first step
+    is the first run's after the last) and writes the merged checkpoint too."""
+    from raymoe.spec.launch import prepare_launch
+
+    out = tmp_path / "run"
+    common = ["--steps", "4", "--seq-len", "32", "--eval-every", "0", "--no-progress", "--save-state-every", "2"]
+    common += ["--tp-size", "1", "--fsdp-size", "2", "--ep-size", "2"]
+    assert finetune.main([*common, "--lora-r", "4", "--output-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    config, tensors = adapter_files(out / "adapter")
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8)  # alpha: 2 x r by default
+    assert config["target_modules"] == ATTENTION and config["target_parameters"] == EXPERTS
+    assert {re.sub(r"\.\d+\.", ".*.", key) for key in tensors} == {
+        f"base_model.model.model.layers.*.{path}.lora_{factor}.weight"
+        for path in [*(f"self_attn.{name}" for name in ATTENTION), "mlp.experts", "mlp.experts.base_layer"]
+        for factor in "AB"
+    }  # gate_up_proj nests one base_layer deeper than down_proj in PEFT's keys
+    trainable = sum(tensor.numel() for tensor in tensors.values())
+    assert f"trainable  {trainable:,} parameters (LoRA r 4, lora_alpha 8)" in printed
+    assert f"adapter  {out / 'adapter'}" in printed and "checkpoint  not saved (--save-merged" in printed
+    assert not (out / "checkpoint").exists() and (out / "adapter" / "tokenizer.json").is_file()
+    base = out / "base-model"
+    prepare_launch(base, {"fsdp_size": 2}, lora=str(out / "adapter"))  # names and shapes fit the base: it loads
+    first = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert first[-1]["eval_loss"] < first[0]["eval_loss"]  # the adapters learn
+
+    shutil.rmtree(out / "states" / "step-00000004")  # as if the job died after step 4, before its state
+    assert finetune.main([*common, "--lora-r", "4", "--output-dir", str(out), "--resume"]) == 0
+    assert f"resumed  {out / 'states' / 'step-00000002'}" in capsys.readouterr().out
+    _, resumed = adapter_files(out / "adapter")
+    assert resumed.keys() == tensors.keys()
+    for key, tensor in tensors.items():
+        torch.testing.assert_close(resumed[key], tensor, rtol=1e-5, atol=1e-6)
+
+    more = tmp_path / "more"
+    argv = [*common, "--adapter", str(out / "adapter"), "--model", str(base), "--save-merged"]
+    assert finetune.main([*argv, "--output-dir", str(more)]) == 0
+    printed = capsys.readouterr().out
+    assert f"checkpoint  {more / 'checkpoint'}" in printed and f"adapter  {more / 'adapter'}" in printed
+    again = [json.loads(line) for line in (more / "metrics.jsonl").read_text().splitlines()]
+    assert again[0]["eval_loss"] == pytest.approx(first[-1]["eval_loss"], rel=1e-5)  # it starts where the first ended
+    config, tensors = adapter_files(more / "adapter")
+    assert (config["r"], config["lora_alpha"]) == (4, 8) and tensors.keys() == resumed.keys()
+    assert (more / "checkpoint" / "model.safetensors").is_file() and (more / "checkpoint" / "config.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--adapter", "{adapter}", "--lora-r", "4"], r"--adapter .*adapter_config.json\); drop --lora-r, or drop"),
+        (["--lora-alpha", "8", "--lora-targets", "q_proj"], r"--lora-alpha, --lora-targets without --lora-r: --lora-r"),
+        (["--save-merged"], r"--save-merged writes the merged weights of a LoRA run; give --lora-r N or --adapter"),
+        (["--lora-r", "0"], r"LoraConfig.r=0 must be an int >= 1"),
+        (["--lora-r", "4", "--lora-alpha", "-1"], r"LoraConfig.lora_alpha=-1 must be a number > 0"),
+        (
+            ["--lora-r", "4", "--lora-targets", "q_prj", "o_proj"],
+            r"target_modules entry 'q_prj' matches no module of the model; the nearest names are .*q_proj",
+        ),
+        (
+            ["--lora-r", "4", "--lora-targets", "q_proj", "mlp.experts.up_proj"],
+            r"target_parameters entry 'mlp.experts.up_proj' matches no parameter",
+        ),
+        (["--adapter", "absent"], r"lora='{cwd}/absent' is not a directory"),  # made absolute on the driver
+        (["--adapter", "{adapter}"], r"lora='.*adapter': adapter_model.safetensors is missing"),
+        (
+            ["--adapter", "{other}"],  # checked in from_pretrained, still before any cluster
+            r"other/adapter_model.safetensors does not match the LoRA targets of its adapter_config.json on this model",
+        ),
+    ],
+    ids=[
+        "adapter_with_lora_r",
+        "lora_flags_without_lora_r",
+        "save_merged_without_lora",
+        "lora_r_zero",
+        "negative_alpha",
+        "unknown_module",
+        "unknown_expert_weight",
+        "absent_adapter_relative",
+        "adapter_without_weights",
+        "adapter_of_another_model",
+    ],
+)
+def test_bad_lora_flags_are_one_error_before_any_cluster(finetune, tmp_path, monkeypatch, capsys, args, message):
+    from safetensors.torch import save_file
+
+    import actors.cluster
+    import actors.group
+
+    def asked(*_args, **_kwargs):
+        raise AssertionError("the cluster was asked for")
+
+    monkeypatch.setattr(actors.cluster, "connect", asked)
+    monkeypatch.setattr(actors.group.RayRankGroup, "for_topology", asked)
+    monkeypatch.chdir(tmp_path)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "target_modules": ["q"]}))
+    other = tmp_path / "other"  # an adapter of q_proj, but its tensors are another model's
+    other.mkdir()
+    (other / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "target_modules": ["q_proj"]}))
+    save_file({"base_model.model.lm.lora_A.weight": torch.zeros(4, 8)}, other / "adapter_model.safetensors")
+    argv = [arg.replace("{adapter}", str(adapter)).replace("{other}", str(other)) for arg in args]
+    out = tmp_path / "run"
+    assert finetune.main([*argv, "--output-dir", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("finetune.py: error: "), err
+    assert re.search(message.replace("{cwd}", re.escape(str(tmp_path))), err[0]), err[0]
+    assert not (out / "metrics.jsonl").exists() and not (out / "adapter").exists()
+
+
+@pytest.mark.parametrize(
+    ("family", "attention", "experts"),
+    [
+        ("embedded", ATTENTION, EXPERTS),
+        ("llama_gqa2_llama3_rope_bias", ATTENTION, []),  # dense: no expert weights
+        ("qwen2moe_e8_k3_gqa2_shared", ATTENTION, EXPERTS),  # its shared expert's linear layers are not attention
+        ("gptoss_e4_k3_gqa2_window5", ATTENTION, EXPERTS),
+        (
+            "deepseekv3_e8_k3_groups_qlora_yarn",
+            ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+            EXPERTS,
+        ),
+        ("deepseekv3_e8_k2_qproj_bias", ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"], EXPERTS),
+    ],
+)
+def test_the_default_lora_targets_fit_each_family(finetune, tiny_checkpoint, tmp_path, family, attention, experts):
+    """--lora-r 16 alone: r 16, alpha 32, on every linear layer of the attention and every fused expert weight the
+    model has, resolved on the driver (a target name that matches nothing would be an error)."""
+    from torch import nn
+
+    from raymoe.models import build_model, load_model_config
+
+    path = build_tiny_checkpoint(tmp_path / "tiny") if family == "embedded" else tiny_checkpoint(family)
+    model_config = load_model_config(path)
+    lora = finetune.lora_of(finetune.parse_args(["--lora-r", "16", "--model", str(path)]), model_config)
+    config = lora.spec.config
+    assert (config.r, config.lora_alpha) == (16, 32)
+    assert list(config.target_modules) == attention and list(config.target_parameters) == experts
+    model = build_model(model_config)
+    expected = {
+        name for name, module in model.named_modules() if isinstance(module, nn.Linear) and ".self_attn." in name
+    }
+    expected |= {name for name, _ in model.named_parameters() if name.endswith(tuple(f".{e}" for e in experts))}
+    assert {target.key for target in lora.spec.targets} == expected
+    weights = dict(model.named_parameters())
+    shapes = [weights[key if key.endswith(tuple(experts)) else f"{key}.weight"].shape for key in expected]
+    # r (in + out) per weight, times the experts of a fused one: the factors' elements over the whole model
+    assert lora.trainable == sum(
+        16 * (shape[-1] + shape[-2]) * (shape[0] if len(shape) == 3 else 1) for shape in shapes
+    )
