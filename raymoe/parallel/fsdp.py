@@ -9,7 +9,9 @@ Applied after the TP and EP rules (torchtitan's order: TP/EP -> FSDP2), with
     fsdp_plan rules   fully_shard over (dp_replicate, fsdp)    dense params, 2-D with TP DTensors;
                                                                one unit per rule, except that the single
                                                                keep_full_weight modules (norm, head) share one
-    the model         fully_shard over (dp_replicate, fsdp)    whatever no rule took (root)
+    the model         fully_shard over (dp_replicate, fsdp)    whatever no rule took (root), and the modules of
+                                                               rules whose weight is tied to one outside them (a
+                                                               head tied to the embedding: one unit per parameter)
 
 A 2-D data-parallel mesh is HSDP: reduce-scatter inside a replica, all-reduce across replicas.
 
@@ -83,7 +85,7 @@ def apply_fsdp(model: nn.Module, units: FsdpUnits, device: torch.device) -> None
         )
     for path in units.expert_modules:
         shard(model.get_submodule(path), units.expert_mesh)
-    rules = dict(units.fsdp_rules)
+    rules = {path: strategy for path, strategy in units.fsdp_rules.items() if not _tied_outside(model, path)}
     tail = _keep_group(model, rules)
     for path, strategy in _children_first(rules):
         if path not in tail:
@@ -117,6 +119,17 @@ def offload(enabled: bool, device: torch.device) -> OffloadPolicy:
     if enabled:
         return CPUOffloadPolicy(pin_memory=device.type == "cuda")
     return OffloadPolicy()
+
+
+def _tied_outside(model: nn.Module, path: str) -> bool:
+    """Whether a parameter of module ``path`` is also one of a module outside it (a tied head): FSDP2 manages a
+    parameter in one unit only, so the root takes it."""
+    own = {id(param) for param in model.get_submodule(path).parameters()}
+    inside = f"{path}."
+    return any(
+        id(param) in own and not name.startswith(inside)
+        for name, param in model.named_parameters(remove_duplicate=False)
+    )
 
 
 def _keep_group(model: nn.Module, rules: dict[str, str]) -> list[str]:

@@ -77,3 +77,10 @@ def test_a_rank_whose_experts_get_no_tokens_trains_without_hang(check_layout, tm
     assert all(layer[2] == layer[3] == 0 for layer in first["expert_load"])
     starved_ranks = [r for r in range(len(first["rank_load"][0])) if r % config["ep_size"] >= config["ep_size"] // 2]
     assert starved_ranks and all(layer[r] == 0 for layer in first["rank_load"] for r in starved_ranks)
+
+
+@pytest.mark.parametrize("layout", ["fsdp4", "dp_replicate2-fsdp2"])
+@pytest.mark.parametrize("name", ["moe_e6_k1_gqa3_tied_step2", "qwen3_gqa4_tied"])
+def test_a_tied_head_trains_like_one_process_under_fsdp(check_layout, tmp_path, layout, name):
+    """The head's weight is the embedding's: one FSDP unit (the root) holds it, not the head's unit and the root."""
+    check_layout(LAYOUTS[layout], tmp_path, name)
