@@ -41,6 +41,7 @@ def from_pretrained(
     placement_timeout_s: float = 120.0,
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
     lora: LoraConfig | str | os.PathLike[str] | dict[str, Any] | None = None,
+    quantized_experts: str | None = None,
 ) -> DistributedModel:
     """Load ``name_or_path`` (a local directory or a hub id) sharded over Ray rank actors.
 
@@ -52,6 +53,9 @@ def from_pretrained(
     ``lora`` (:mod:`raymoe.spec.lora`): a :class:`~raymoe.LoraConfig` adds fresh adapters, a directory loads a PEFT
     adapter (``adapter_config.json`` + ``adapter_model.safetensors``, each rank its slices); the base is then
     frozen (no gradients, no optimizer state) and held in the compute dtype, the adapters in ``lora_dtype``.
+    ``quantized_experts="mxfp4"`` (with ``lora``, for a checkpoint storing MXFP4 experts, e.g. gpt-oss) keeps the
+    frozen expert weights packed on the ranks (uint8 blocks and scales, 4.25 bits a weight), dequantized inside each
+    projection in forward and again in backward (:mod:`raymoe.models.moe.packed`).
 
     A relative directory is taken from this process's working directory and sent to the ranks as an absolute
     path (rank processes may run elsewhere: another directory, another node).
@@ -96,6 +100,7 @@ def from_pretrained(
         cache_dir=cache_dir,
         precision=precision,
         lora=lora,
+        quantized_experts=quantized_experts,
     )
     if world is not None:
         return DistributedModel.launch(spec, world, owns_group=False)

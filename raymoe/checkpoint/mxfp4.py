@@ -1,46 +1,6 @@
-"""MXFP4 dequantization: 4-bit e2m1 values in blocks of 32 with one e8m0 power-of-two scale per block.
+"""MXFP4 dequantization for the checkpoint reader: the format and its decoder live with the models
+(:mod:`raymoe.models.common.mxfp4`), since LoRA's packed experts decode it inside forward too."""
 
-A quantized tensor ``W [..., R, C]`` (``C = G * 32``) is stored as two uint8 hub tensors::
+from raymoe.models.common.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK, E2M1_VALUES, dequantize_mxfp4
 
-    <name>_blocks [..., R, G, 16]   each byte holds two e2m1 codes: low nibble first, high nibble second
-    <name>_scales [..., R, G]       e8m0 exponent s of the block: scale = 2 ** (s - 127) (s = 255 is NaN)
-
-    W[..., r, 32 * g + 2 * b]     = E2M1_VALUES[blocks[..., r, g, b] & 0xF] * scale[..., r, g]
-    W[..., r, 32 * g + 2 * b + 1] = E2M1_VALUES[blocks[..., r, g, b] >> 4]  * scale[..., r, g]
-
-e2m1 is 1 sign, 2 exponent and 1 mantissa bit; its 16 codes are the 8 magnitudes below, then their
-negatives. A value times a power of two is exact in float32 and, within bfloat16's exponent range
-(all of e8m0's), in bfloat16.
-"""
-
-from __future__ import annotations
-
-import torch
-from torch import Tensor
-
-BLOCK_SIZE = 32  # values per scale
-BYTES_PER_BLOCK = BLOCK_SIZE // 2  # two 4-bit codes per byte
-
-# The value of each e2m1 code 0..15.
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-def dequantize_mxfp4(blocks: Tensor, scales: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """``blocks`` uint8 ``[..., R, G, 16]`` and ``scales`` uint8 ``[..., R, G]`` -> ``[..., R, G*32]`` in ``dtype``.
-
-    Decoded in float32 (exact), then rounded once to ``dtype``.
-    """
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
-    if blocks.dim() < 3 or blocks.shape[-1] != BYTES_PER_BLOCK or blocks.shape[:-1] != scales.shape:
-        raise ValueError(
-            f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not fit: "
-            f"expected blocks [..., R, G, {BYTES_PER_BLOCK}] and scales [..., R, G]"
-        )
-    codes = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
-    pairs = torch.stack((codes.repeat(16), codes.repeat_interleave(16)), dim=-1)  # byte -> (low, high) values
-    powers = [2.0 ** (s - 127) for s in range(255)] + [float("nan")]
-    e8m0 = torch.tensor(powers, dtype=torch.float32, device=blocks.device)
-    values = pairs[blocks.int()]  # [..., R, G, 16, 2]
-    values.mul_(e8m0[scales.int()][..., None, None])
-    return values.reshape(*blocks.shape[:-2], blocks.shape[-2] * BLOCK_SIZE).to(dtype)
+__all__ = ["BLOCK_SIZE", "BYTES_PER_BLOCK", "E2M1_VALUES", "dequantize_mxfp4"]

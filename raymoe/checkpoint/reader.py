@@ -343,6 +343,15 @@ class CheckpointReader:
         self._fill(keys, block, out)
         return out
 
+    def read_packed(self, name: str, role: str, index: Sequence[slice]) -> Tensor:
+        """The ``block`` of MXFP4 parameter ``name``'s hub ``role`` tensor ("blocks" ``[..., R, G, 16]`` or "scales"
+        ``[..., R, G]``), its uint8 bytes as stored (experts kept packed: :mod:`raymoe.models.moe.packed`)."""
+        keys = self._keys(name)
+        if not isinstance(keys, Mxfp4):
+            raise ValueError(f"{name} is not stored in MXFP4 in {self.files.directory}: it cannot be kept packed")
+        key = keys.blocks if role == "blocks" else keys.scales
+        return self.files.read(key, _normalise_index(index, self.files.info(key).shape, key))
+
     def _fill(self, keys: HubKeys, block: Block, out: Tensor) -> None:
         if out.numel() == 0:
             return

@@ -24,9 +24,11 @@ from raymoe.checkpoint.reader import CheckpointReader
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.lora import adapter_parameters, is_adapter_name
 from raymoe.models.common.shard_hints import FLOAT32_ATTR, float32_modules
+from raymoe.models.moe.packed import packed_companions
 from raymoe.parallel.activation_checkpoint import apply_activation_checkpointing
 from raymoe.parallel.apply import apply_rules
 from raymoe.parallel.fsdp import FsdpUnits, apply_fsdp
+from raymoe.parallel.packed_experts import pack_experts
 from raymoe.parallel.pipeline import paths_held, rules_held
 from raymoe.parallel.sharding import Block, read_local_shard
 from raymoe.parallel.styles import ParallelStyle
@@ -132,14 +134,17 @@ def shard_on_meta(
     plans: ResolvedPlans | None = None,
     policy: PrecisionPolicy | None = None,
 ) -> None:
-    """TP rules, then EP rules, activation checkpointing, then FSDP2, on the model (or a pipeline stage's part of
-    it, with ``plans`` restricted to that part) while it is still on meta; ``policy`` (default: the model's
-    dtypes as they are, computed as held) gives FSDP2 its compute and reduction dtypes."""
+    """TP rules, then EP rules, packed experts (``quantized_experts``), activation checkpointing, then FSDP2, on the
+    model (or a pipeline stage's part of it, with ``plans`` restricted to that part) while it is still on meta;
+    ``policy`` (default: the model's dtypes as they are, computed as held) gives FSDP2 its compute and reduction
+    dtypes."""
     plans, config = plans if plans is not None else spec.plans, spec.topology.config
     if plans.tp_rules:
         apply_rules(model, plans.tp_rules, ctx.mesh(Axis.TP), plans.styles)
     if plans.ep_rules:
         apply_rules(model, plans.ep_rules, ctx.mesh(Axis.EP), ep_styles(plans.styles, ctx))
+    if spec.quantized_experts is not None:  # placed as the rules placed the plain weights
+        pack_experts(model)
     apply_activation_checkpointing(model, config.activation_checkpointing)  # before FSDP2, as its units wrap layers
     if uses_fsdp(config, policy):
         units = FsdpUnits(
@@ -174,11 +179,18 @@ def _read_shards(model: CausalLM, reader: CheckpointReader) -> int:
     """Fill every parameter's local storage from the checkpoint; returns the bytes read from its files
     (an MXFP4 tensor's packed bytes and scales, not the dequantized values)."""
     start = reader.bytes_read
+    packed = {
+        part: (weight, role)
+        for blocks, (weight, scales) in packed_companions(model).items()
+        for part, role in ((blocks, "blocks"), (scales, "scales"))
+    }
     for name, param in model.named_parameters():
         if is_adapter_name(name):
             continue  # LoRA factors come from the adapter (raymoe.rank.adapters)
 
         def read(block: Block, name: str = name) -> Tensor:
+            if name in packed:  # the hub's own bytes, not dequantized
+                return reader.read_packed(*packed[name], block)
             return reader.read(name, block)
 
         local = param.to_local() if isinstance(param, DTensor) else param

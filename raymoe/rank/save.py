@@ -23,6 +23,7 @@ from torch import Tensor
 
 from raymoe.checkpoint.model_io import save_model
 from raymoe.models.common.lora import merge_stream
+from raymoe.models.moe.packed import packed_companions, unpacked_stream
 from raymoe.rank.context import RankContext
 from raymoe.rank.contract import SaveResult
 
@@ -37,6 +38,9 @@ def save_gathered(ctx: RankContext, directory: str, max_shard_size: int) -> Save
     """
     loaded = ctx.require_model()
     model, tensors = loaded.runner.gathered(ctx, loaded.spec)
+    packed = {blocks: pair for part in loaded.parts for blocks, pair in packed_companions(part).items()}
+    if packed:  # experts kept in MXFP4: written dequantized, in the compute dtype (bf16 for gpt-oss), then merged
+        tensors = unpacked_stream(tensors, packed, loaded.precision.compute)
     if loaded.spec.lora is not None:
         tensors = merge_stream(tensors, loaded.spec.lora.targets)  # the adapted model's hub checkpoint: W + s B A
     if ctx.rank != 0:

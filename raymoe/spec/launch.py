@@ -26,6 +26,7 @@ from raymoe.models.common.config import ModelConfig, read_config_file
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.lora import adapter_parameters
 from raymoe.models.registry import build_model, parse_model_config
+from raymoe.parallel.packed_experts import check_packed_layout
 from raymoe.spec.config import DistributedConfig
 from raymoe.spec.lora import LoraConfig, LoraSpec, add_adapters, resolve_lora
 from raymoe.spec.pipeline import StagePlan, plan_stages
@@ -56,6 +57,7 @@ class LaunchSpec:
     stages: StagePlan | None = None  # pipeline stages (pp_size > 1)
     precision: Precision = Precision.AUTO  # checked against dtype; each rank resolves it (raymoe.spec.precision)
     lora: LoraSpec | None = None  # adapters on a frozen base (raymoe.spec.lora)
+    quantized_experts: str | None = None  # "mxfp4": the frozen experts stay packed on the ranks (LoRA only)
 
     def build_meta_model(self) -> CausalLM:
         """The model on meta, with its LoRA factors (base frozen) when the spec has adapters."""
@@ -74,6 +76,30 @@ class LaunchSpec:
     @property
     def torch_dtype(self) -> torch.dtype | None:
         return DTYPES[self.dtype] if self.dtype is not None else None
+
+
+QUANTIZED_EXPERTS = ("mxfp4",)
+
+
+def check_quantized_experts(value: str | None, raw: Mapping[str, Any], lora: LoraSpec | None) -> None:
+    """``quantized_experts="mxfp4"`` keeps a frozen base's MXFP4 experts packed: only under LoRA (full fine-tuning
+    trains the experts, which needs full-precision weights) and only for a checkpoint that stores them so."""
+    if value is None:
+        return
+    if value not in QUANTIZED_EXPERTS:
+        raise ValueError(f"quantized_experts={value!r}: the packed formats raymoe keeps are {list(QUANTIZED_EXPERTS)}")
+    if lora is None:
+        raise ValueError(
+            f"quantized_experts={value!r} keeps the expert weights packed, which only a frozen base allows: pass "
+            "lora= (full fine-tuning trains the experts and holds them in full precision)"
+        )
+    quantization = raw.get("quantization_config")
+    method = quantization.get("quant_method") if isinstance(quantization, Mapping) else None
+    if method != value:
+        raise ValueError(
+            f"quantized_experts={value!r}: this checkpoint's config.json has quantization_config.quant_method="
+            f"{method!r}; only a checkpoint storing its experts in {value} can keep them packed"
+        )
 
 
 def as_config(distributed_config: DistributedConfig | dict[str, Any] | None) -> DistributedConfig:
@@ -108,6 +134,7 @@ def prepare_launch(
     cache_dir: str | os.PathLike[str] | None = None,
     precision: Precision | str | None = None,
     lora: LoraConfig | str | os.PathLike[str] | Mapping[str, Any] | None = None,
+    quantized_experts: str | None = None,
 ) -> LaunchSpec:
     """Validate everything that can be validated without a cluster; raise ``ValueError`` on bad input."""
     config = as_config(distributed_config)
@@ -125,12 +152,16 @@ def prepare_launch(
         check_checkpoint(local, model)
         source = str(local.absolute())
     adapters = resolve_lora(lora, model) if lora is not None else None
+    check_quantized_experts(quantized_experts, raw, adapters)
     if adapters is not None:
         add_adapters(model, adapters)
         if adapters.adapter_dir is not None:  # its tensors' names and shapes, from the safetensors header
             shapes = {name: tuple(param.shape) for name, param in adapter_parameters(model)}
             AdapterFile(adapters.adapter_dir, adapters.targets).check(shapes)
     plans = resolve_plans(model, model.default_plans(), topology.config, num_experts=model.num_experts)
+    if quantized_experts is not None:  # the rules' splits must keep every MXFP4 group of 32 whole
+        check_packed_layout(model, plans.tp_rules, plans.styles, topology.config.tp_size or 1)
+        check_packed_layout(model, plans.ep_rules, plans.styles, topology.config.ep_size or 1)
     stages = plan_stages(model, topology.config)
     return LaunchSpec(
         source=source,
@@ -144,4 +175,5 @@ def prepare_launch(
         stages=stages,
         precision=policy,
         lora=adapters,
+        quantized_experts=quantized_experts,
     )

@@ -28,6 +28,7 @@ from raymoe.models.common.packing import PackedDocuments, pack_documents
 from raymoe.models.common.plans import DefaultPlans
 from raymoe.models.common.rope import rope_cos_sin
 from raymoe.models.moe import GroupedExperts, TopKRouter
+from raymoe.models.moe.packed import packed_companions
 
 
 class DecoderLayer(nn.Module):
@@ -244,9 +245,13 @@ class CausalLM(nn.Module, ABC):
         ``available`` are the tensor names of the checkpoint being read: a family whose checkpoints
         come in several layouts (per-expert or fused, quantized or not) picks the one present.
         None (saving) asks for the layout raymoe writes. LoRA factors are not hub tensors (they live in a
-        PEFT adapter file, :mod:`raymoe.checkpoint.adapter`).
+        PEFT adapter file, :mod:`raymoe.checkpoint.adapter`); experts kept packed are their weights
+        (:mod:`raymoe.models.moe.packed`: a save writes them dequantized).
         """
-        return {name: name for name, _ in self.named_parameters() if not is_adapter_name(name)}
+        packed = packed_companions(self)
+        scales = {scales for _, scales in packed.values()}
+        names = [packed[name][0] if name in packed else name for name, _ in self.named_parameters()]
+        return {name: name for name in names if not is_adapter_name(name) and name not in scales}
 
     def is_ignored_hub_key(self, key: str) -> bool:
         """Hub tensors that are legitimately present yet not loaded."""

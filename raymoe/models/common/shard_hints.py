@@ -33,6 +33,7 @@ OUTPUT_BIAS_ATTR = "output_bias"
 FLOAT32_ATTR = "float32_parameters"
 LORA_FACTORS_ATTR = "lora_factors"
 LORA_FROZEN_ATTR = "lora_frozen"  # the direct parameters LoRA froze (trainable in full fine-tuning)
+MXFP4_PACKED_ATTR = "mxfp4_packed"  # expert weights held as MXFP4 blocks + scales (raymoe.models.moe.packed)
 
 
 def float32_modules(model: nn.Module) -> dict[str, nn.Module]:

@@ -20,6 +20,7 @@ from raymoe.models.common.activation import SWIGLU, GatedActivation
 from raymoe.models.common.lora import expert_factors
 from raymoe.models.common.shard_hints import EXPERT_BATCHED_ATTR, OUTPUT_BIAS_ATTR, SHARD_BLOCK_ATTR
 from raymoe.models.moe.grouped_mm import GemmBackend, grouped_mm
+from raymoe.models.moe.packed import BLOCKS, SCALES, packed_grouped_mm, packed_weights
 
 
 class GroupedExperts(nn.Module):
@@ -36,6 +37,7 @@ class GroupedExperts(nn.Module):
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size  # as built (not this rank's part)
         self.activation = activation
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
@@ -89,7 +91,11 @@ class GroupedExperts(nn.Module):
     def _project(self, x_SK: Tensor, name: str, counts_E: Tensor) -> Tensor:
         """``x [S, in]`` -> ``[S, out]`` through expert weight ``name``, plus its LoRA update when it has one:
         ``s * (x A_e^T) B_e^T`` as two grouped GEMMs over the same rows (rank ``r`` in between)."""
-        out_SN = grouped_mm(x_SK, getattr(self, name), counts_E, self.gemm_backend)
+        if name in packed_weights(self):  # frozen MXFP4 blocks + scales (LoRA on gpt-oss)
+            blocks, scales = getattr(self, f"{name}{BLOCKS}"), getattr(self, f"{name}{SCALES}")
+            out_SN = packed_grouped_mm(x_SK, blocks, scales, counts_E, self.gemm_backend)
+        else:
+            out_SN = grouped_mm(x_SK, getattr(self, name), counts_E, self.gemm_backend)
         factors = expert_factors(self, name)
         if factors is None:
             return out_SN
@@ -105,11 +111,12 @@ class GroupedExperts(nn.Module):
                 nn.init.zeros_(bias)
 
     def extra_repr(self) -> str:
-        experts, two_inter, hidden = self.gate_up_proj.shape
+        experts, hidden, intermediate = self.num_experts, self.hidden_size, self.intermediate_size
         bias = ", bias" if self.gate_up_proj_bias is not None else ""
+        packed = f", packed={list(packed_weights(self))}" if packed_weights(self) else ""
         return (
-            f"experts={experts}, hidden={hidden}, intermediate={two_inter // 2}{bias}, activation={self.activation}, "
-            f"gemm_backend={self.gemm_backend!r}"
+            f"experts={experts}, hidden={hidden}, intermediate={intermediate}{bias}, activation={self.activation}, "
+            f"gemm_backend={self.gemm_backend!r}{packed}"
         )
 
 
