@@ -16,6 +16,8 @@
                                                 --output-dir gets adapter/ (PEFT's format), checkpoint/ (merged)
                                                 only with --save-merged
     python examples/finetune.py --adapter runs/finetune/adapter ...   keep training a PEFT adapter directory
+    python examples/finetune.py --model openai/gpt-oss-120b --lora-r 16 --quantized-experts mxfp4 ...
+                                                LoRA with gpt-oss's MXFP4 experts kept packed on the ranks
 
 The driver connects to the Ray cluster it runs in (``RAY_ADDRESS``, as ``ray job submit`` sets it;
 a cluster started on this machine; else a new local instance). Bad input (a missing or empty
@@ -240,6 +242,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--lora-alpha or --lora-targets)",
     )
     lora.add_argument(
+        "--quantized-experts",
+        choices=["mxfp4"],
+        help="with LoRA, on a checkpoint storing its experts in MXFP4 (gpt-oss): keep the frozen experts packed on the "
+        "ranks (4.25 bits a weight), dequantized inside each projection",
+    )
+    lora.add_argument(
         "--save-merged",
         action="store_true",
         help="with LoRA: also write OUTPUT_DIR/checkpoint, the hub checkpoint of the merged weights W + alpha / r B A",
@@ -377,6 +385,11 @@ def check_lora_flags(args: argparse.Namespace) -> None:
         )
     if args.lora_r is None and fresh:
         raise ValueError(f"{', '.join(fresh)} without --lora-r: --lora-r N turns LoRA on (new rank-N adapters)")
+    if args.quantized_experts is not None and not uses_lora(args):
+        raise ValueError(
+            f"--quantized-experts {args.quantized_experts} keeps the frozen experts of a LoRA run packed; give "
+            "--lora-r N or --adapter DIR (full fine-tuning trains the experts in full precision)"
+        )
     if args.save_merged and not uses_lora(args):
         raise ValueError(
             "--save-merged writes the merged weights of a LoRA run; give --lora-r N or --adapter DIR (without LoRA, "
@@ -509,6 +522,7 @@ def run(args: argparse.Namespace) -> tuple[raymoe.TrainSummary, Lora | None]:
         precision=args.precision,
         cpus_per_rank=args.cpus_per_rank,
         lora=lora.request if lora is not None else None,
+        quantized_experts=args.quantized_experts,
     ) as model:
         print(model.describe())
         trainer = raymoe.Trainer(model, train_data, config, eval_data=eval_data, tokenizer=tokenizer)

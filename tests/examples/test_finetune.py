@@ -363,6 +363,11 @@ def test_a_lora_run_writes_a_peft_adapter_resumes_and_goes_on_from_it(ray_sessio
         (["--adapter", "{adapter}", "--lora-r", "4"], r"--adapter .*adapter_config.json\); drop --lora-r, or drop"),
         (["--lora-alpha", "8", "--lora-targets", "q_proj"], r"--lora-alpha, --lora-targets without --lora-r: --lora-r"),
         (["--save-merged"], r"--save-merged writes the merged weights of a LoRA run; give --lora-r N or --adapter"),
+        (["--quantized-experts", "mxfp4"], r"--quantized-experts mxfp4 keeps the frozen experts of a LoRA run packed"),
+        (  # the embedded Qwen3-MoE stores plain experts: refused in from_pretrained, still before any cluster
+            ["--lora-r", "4", "--quantized-experts", "mxfp4"],
+            r"quantized_experts='mxfp4': this checkpoint's config.json has quantization_config.quant_method=None",
+        ),
         (["--lora-r", "0"], r"LoraConfig.r=0 must be an int >= 1"),
         (["--lora-r", "4", "--lora-alpha", "-1"], r"LoraConfig.lora_alpha=-1 must be a number > 0"),
         (
@@ -384,6 +389,8 @@ def test_a_lora_run_writes_a_peft_adapter_resumes_and_goes_on_from_it(ray_sessio
         "adapter_with_lora_r",
         "lora_flags_without_lora_r",
         "save_merged_without_lora",
+        "quantized_experts_without_lora",
+        "quantized_experts_of_plain_experts",
         "lora_r_zero",
         "negative_alpha",
         "unknown_module",
