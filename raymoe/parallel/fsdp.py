@@ -44,7 +44,8 @@ class FsdpUnits:
     ``(dp_replicate, efsdp)`` under HSDP, the shard axis alone otherwise).
 
     ``expert_modules`` hold expert weights (empty without EP); ``fsdp_rules`` are concrete module
-    paths -> strategy (empty without data parallelism: the root unit alone carries the policies).
+    paths -> strategy (also without data parallelism, where the units only cast or hold experts: a step gathers
+    one unit at a time).
     """
 
     dense_mesh: DeviceMesh

@@ -151,8 +151,9 @@ def shard_on_meta(
             dense_mesh=ctx.data_parallel_mesh(Axis.FSDP),
             expert_mesh=ctx.data_parallel_mesh(Axis.EFSDP),
             expert_modules=plans.expert_modules if plans.ep_rules else (),
-            # The fsdp_plan applies only with data parallelism; without it the root unit still carries the policies.
-            fsdp_rules=plans.fsdp_rules if config.dp_size > 1 else {},
+            # The fsdp_plan's units also without data parallelism (FSDP2 then only casts, for a mixed policy, or wraps
+            # the experts): a step gathers one layer at a time, never a second copy of the whole model.
+            fsdp_rules=plans.fsdp_rules,
             float32_modules=tuple(float32_modules(model)),
             compute_dtype=policy.compute if policy is not None and policy.mixed else None,
             cpu_offload=config.fsdp_cpu_offload,

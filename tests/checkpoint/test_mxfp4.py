@@ -187,3 +187,13 @@ def test_the_writer_refuses_mxfp4(tmp_path):
         writer.write_parameter("w", torch.zeros(E, R, G * 32))
     writer.abort()
     assert not list(tmp_path.glob("model*.safetensors"))
+
+
+def test_decoding_in_chunks_gives_the_whole_decode(monkeypatch, quantize_mxfp4):
+    """A large tensor is decoded a few rows at a time (bounded temporaries): the same values as in one go."""
+    import raymoe.models.common.mxfp4 as mxfp4
+
+    blocks, scales = quantize_mxfp4(torch.randn(3, 5, 128, generator=torch.Generator().manual_seed(0)))
+    whole = dequantize_mxfp4(blocks, scales, dtype=torch.float32)
+    monkeypatch.setattr(mxfp4, "CHUNK_WEIGHTS", 2 * 128)  # two rows of 128 weights a chunk: 8 chunks, the last short
+    torch.testing.assert_close(dequantize_mxfp4(blocks, scales, dtype=torch.float32), whole, rtol=0, atol=0)

@@ -22,6 +22,7 @@ from torch import Tensor
 
 BLOCK_SIZE = 32  # values per scale
 BYTES_PER_BLOCK = BLOCK_SIZE // 2  # two 4-bit codes per byte
+CHUNK_WEIGHTS = 1 << 26  # weights decoded at once (about 400 MiB of temporaries)
 
 # The value of each e2m1 code 0..15.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -30,7 +31,9 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 def dequantize_mxfp4(blocks: Tensor, scales: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """``blocks`` uint8 ``[..., R, G, 16]`` and ``scales`` uint8 ``[..., R, G]`` -> ``[..., R, G*32]`` in ``dtype``.
 
-    Decoded in float32 (exact), then rounded once to ``dtype``.
+    Decoded in float32 (exact), then rounded once to ``dtype``, ``CHUNK_WEIGHTS`` weights at a time: the
+    temporaries (int32 codes, float32 values: about 6 bytes a weight) stay bounded however large the tensor (a
+    whole layer's experts, dequantized inside forward when they are kept packed).
     """
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
@@ -39,10 +42,20 @@ def dequantize_mxfp4(blocks: Tensor, scales: Tensor, dtype: torch.dtype = torch.
             f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not fit: "
             f"expected blocks [..., R, G, {BYTES_PER_BLOCK}] and scales [..., R, G]"
         )
+    groups = blocks.shape[-2]
+    out = torch.empty(*blocks.shape[:-2], groups * BLOCK_SIZE, dtype=dtype, device=blocks.device)
+    rows_out, rows_blocks, rows_scales = (
+        out.view(-1, groups * BLOCK_SIZE),
+        blocks.reshape(-1, groups, 16),
+        scales.reshape(-1, groups),
+    )
+    step = max(1, CHUNK_WEIGHTS // max(1, groups * BLOCK_SIZE))
     pairs, e8m0 = _tables(blocks.device)
-    values = pairs[blocks.int()]  # [..., R, G, 16, 2]
-    values.mul_(e8m0[scales.int()][..., None, None])
-    return values.reshape(*blocks.shape[:-2], blocks.shape[-2] * BLOCK_SIZE).to(dtype)
+    for start in range(0, rows_out.shape[0], step):
+        values = pairs[rows_blocks[start : start + step].int()]  # [rows, G, 16, 2]
+        values.mul_(e8m0[rows_scales[start : start + step].int()][..., None, None])
+        rows_out[start : start + step] = values.reshape(values.shape[0], -1)
+    return out
 
 
 @cache
