@@ -33,8 +33,10 @@ the rank after a warm-up step (the AdamW moments exist from there on), the large
                      allocates beyond them (activations, gradients, all-gathered weights, temporaries): torch's
                      profiler's allocation records on CPU, ``torch.cuda.max_memory_allocated`` on a GPU. Tensor
                      bytes, not RSS: a rank process's ~300 MiB baseline (Python, torch, Ray) would hide the ratio
-    one-rank gather  world 1 under bf16 compute: what gathering the root FSDP2 unit allocates (that layout's only
-                     unit: the whole model in bf16, or packed), against :func:`one_rank_gather_bytes`
+    unit gathers     world 1 under bf16 compute: what gathering each FSDP2 unit alone allocates (the fsdp_plan's
+                     units: the embedding, each decoder layer, the final norm + head; a step gathers them one at a
+                     time), the largest against :func:`gathered_unit_bytes` (a layer in the compute dtype, its
+                     experts packed under ``lora-mxfp4``)
 
 and checked: every rank's adapter AdamW moments are exactly 2 x 4 x its trainable parameters, no frozen parameter
 holds a gradient (before or after the step) or optimizer state, the load report's trainable count is the rank's,
@@ -50,6 +52,7 @@ where; activations excluded.
 
     .venv/bin/python benchmarks/bench_lora.py            # the committed table: ~10 min on 2 idle cores
     .venv/bin/python benchmarks/bench_lora.py --quick    # ~3 min smoke run: 1 round, fewer experts (not the table)
+    .venv/bin/python benchmarks/bench_lora.py --report   # rewrite bench_lora.md from bench_lora.json
 
 Writes ``--out``/bench_lora.json and bench_lora.md. Not run by the test suite.
 """
@@ -64,7 +67,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -157,9 +160,9 @@ def whole_model_bytes(
 
     ``b`` = ``base_bytes`` (2: bf16, 4: fp32). ``packed_experts`` (LoRA only: ``quantized_experts="mxfp4"``) holds
     the expert weights ``W_e`` packed, 17 / 32 bytes each (a block of 32 fp4 values is 16 bytes + one uint8 scale),
-    their biases in ``b``. Not counted: activations, FSDP2's all-gathered (bf16) copies of the layers in flight
-    (on one rank under a mixed policy the current code gathers the whole model as one unit: one more copy of the
-    base in a step), AdamW's step counters (4 bytes per tensor), allocator slack.
+    their biases in ``b``. Not counted: activations, FSDP2's all-gathered (bf16) copies of the units in flight
+    (one decoder layer at a time, and the head's unit; :func:`gathered_unit_bytes`), AdamW's step counters (4
+    bytes per tensor), allocator slack.
     """
     if method not in ("full", "lora"):
         raise ValueError(f"method {method!r}: 'full' or 'lora'")
@@ -343,7 +346,7 @@ def rank_memory(ctx: Any, rows: int, seq: int, vocab: int) -> dict[str, Any]:
         beyond = _allocated_beyond(lambda: train_step(ctx, pieces, ids.numel() * ctx.topology.world_size), ctx.device)
     finally:
         hook.remove()
-    gather = _root_gather_bytes(loaded, ctx.device) if ctx.topology.world_size == 1 else None
+    gathers = _unit_gather_bytes(loaded, ctx.device) if ctx.topology.world_size == 1 else {}
     by_dtype: dict[str, int] = {}
     for p in trainable:
         by_dtype[f"trainable {p.dtype}"] = by_dtype.get(f"trainable {p.dtype}", 0) + nbytes(p)
@@ -363,7 +366,7 @@ def rank_memory(ctx: Any, rows: int, seq: int, vocab: int) -> dict[str, Any]:
         "held_bytes": held,
         "step_growth_bytes": beyond,
         "step_peak_bytes": held + beyond,
-        "root_gather_bytes": gather,
+        "unit_gather_bytes": gathers,
         "base_gradients_before_step": seen["base_gradients"],
         "base_gradients_after_step": [name for name, p in frozen if p.grad is not None],
         "frozen_in_optimizer": sum(id(p) in optimized or p in optimizer.state for _, p in frozen),
@@ -371,17 +374,23 @@ def rank_memory(ctx: Any, rows: int, seq: int, vocab: int) -> dict[str, Any]:
     }
 
 
-def _root_gather_bytes(loaded: Any, device: torch.device) -> int | None:
-    """What gathering the root FSDP2 unit allocates (None: no FSDP2). On one rank under a mixed policy the root
-    is the only unit, so this is the whole model in the compute dtype: what a step holds besides its base."""
+def _unit_gather_bytes(loaded: Any, device: torch.device) -> dict[str, int]:
+    """What gathering each FSDP2 unit alone allocates, by module path ({}: no FSDP2). The fsdp_plan's units apply
+    on one rank too, so a step gathers one decoder layer (or the embedding, or the final norm + head) at a time."""
     from torch.distributed.fsdp import FSDPModule
 
-    part = loaded.parts[0]
-    if not isinstance(part, FSDPModule):
-        return None
-    gathered = _allocated_beyond(part.unshard, device)
-    part.reshard()
-    return gathered
+    units: dict[int, list[tuple[str, Any]]] = {}  # modules wrapped together (the final norm + head) share a group
+    for part in loaded.parts:
+        for name, module in part.named_modules():
+            if isinstance(module, FSDPModule):
+                group = module._get_fsdp_state()._fsdp_param_group
+                units.setdefault(id(group) if group is not None else id(module), []).append((name or "(root)", module))
+    out = {}
+    for members in units.values():
+        module = members[0][1]
+        out["+".join(name for name, _ in members)] = _allocated_beyond(module.unshard, device)
+        module.reshard()
+    return out
 
 
 def release_memory(ctx: Any) -> None:
@@ -612,26 +621,37 @@ def whole_model_rows() -> list[dict[str, Any]]:
         for label, method, packed in variants:
             for hardware, ranks, capacity, layout in HARDWARE:
                 got = whole_model_bytes(dims, method, ranks=ranks, packed_experts=packed)
-                gather = one_rank_gather_bytes(dims, method, packed) if ranks == 1 and method == "lora" else 0.0
+                units = gathered_unit_bytes(dims, method, packed, ranks=ranks)
                 out.append(
                     {"model": dims.name, "method": label, "hardware": hardware, "layout": layout,
                      **{k: v / GB for k, v in got.items()}, "left_gb": (capacity - got["total"]) / GB,
-                     "fits": got["total"] <= capacity, "one_rank_gather_gb": gather / GB,
-                     "left_with_gather_gb": (capacity - got["total"] - gather) / GB}
+                     "fits": got["total"] <= capacity, "layer_gather_gb": units["layer"] / GB,
+                     "head_gather_gb": units["head"] / GB, "in_flight_gb": units["in_flight"] / GB,
+                     "left_with_gathers_gb": (capacity - got["total"] - units["in_flight"]) / GB}
                 )  # fmt: skip
     return out
 
 
-def one_rank_gather_bytes(dims: ModelDims, method: str = "lora", packed_experts: bool = False, r: int = R) -> float:
-    """What the current code gathers during a step on one rank under a mixed policy (bf16 compute), computed: a
-    layout without data parallelism is then one FSDP2 root unit, gathered whole in the compute dtype for forward and
-    again for backward. LoRA: a second copy of the base (bf16, or packed) + the adapters in bf16, ``b P + 2 A``;
-    full: ``2 P`` (bf16 copies of the fp32 masters). Measured beside it on the slices (the world-1 rows)."""
-    if method == "full":
-        return 2.0 * dims.params()
-    held = whole_model_bytes(dims, "lora", packed_experts=packed_experts, r=r)
-    adapters = sum(dims.adapter_params(r))
-    return held["parameters"] - 4 * adapters + 2 * adapters
+def gathered_unit_bytes(
+    dims: ModelDims, method: str = "lora", packed_experts: bool = False, *, ranks: int = 1, r: int = R
+) -> dict[str, float]:
+    """What a step's FSDP2 gathers allocate per rank under bf16 compute, computed (the fsdp_plan's units, also on one
+    rank): ``layer``, one decoder layer in bf16 (attention, router, norms; its experts, of which a rank of ep
+    ``ranks`` holds ``E / ranks`` and gathers nothing more, packed at 17 / 32 bytes a weight under
+    ``packed_experts``; LoRA: its adapters cast to bf16); ``head``, the final norm + head (kept gathered from forward
+    to backward); ``in_flight``: head + two layers (the one computing and the one FSDP2 prefetches in backward), an
+    upper estimate of what is gathered at once. The same for full fine-tuning (bf16 copies of the fp32 masters).
+    Measured beside it on the slices (the world-1 rows, each unit alone)."""
+    h, i, experts = dims.hidden, dims.expert_intermediate, dims.experts / ranks
+    dense = (dims.dense_params() - 2 * dims.vocab * h - h) / dims.layers  # attention, router, the layer's norms
+    weights = experts * 3 * i * h
+    biases = experts * (2 * i + h) if dims.gpt_oss else 0
+    layer = 2.0 * (dense + biases) + (MXFP4_BYTES_PER_WEIGHT if packed_experts else 2.0) * weights
+    if method == "lora":
+        attention, on_experts = dims.adapter_params(r)
+        layer += 2.0 * (attention + on_experts / ranks) / dims.layers
+    head = 2.0 * (dims.vocab * h + h)
+    return {"layer": layer, "head": head, "in_flight": head + 2 * layer}
 
 
 def targets(rows: list[Row]) -> list[tuple[str, str, bool]]:
@@ -711,15 +731,18 @@ def markdown(rows: list[Row], packed: dict[str, Any], slices: dict[str, Slice], 
             f"MiB; measured under lora-mxfp4 (the rank's uint8 parameters): {mib(held)} MiB."
         )
     for r in rows:
-        gathered = max((rank["root_gather_bytes"] or 0 for rank in r.ranks), default=0)
-        if r.world == 1 and gathered:
+        units = {name: size for rank in r.ranks for name, size in (rank.get("unit_gather_bytes") or {}).items()}
+        if r.world == 1 and units:
             dims = next(s.dims for s in slices.values() if s.key == r.slice)
-            computed = one_rank_gather_bytes(dims, r.method.partition("-")[0], r.method == "lora-mxfp4")
+            computed = gathered_unit_bytes(dims, r.method.partition("-")[0], r.method == "lora-mxfp4")
+            layers = [size for name, size in units.items() if name.startswith("model.layers.")]
+            listed = ", ".join(f"{name} {mib(size)}" for name, size in units.items() if size)
+            cast = " (+ the bf16 cast of the fp32 masters in flight)" if r.method == "full" else ""
             lines.append(
-                f"One-rank gather, {r.slice} {r.base} {r.method}: gathering the root FSDP2 unit (the only one) "
-                f"allocates {mib(gathered)} MiB (measured; one_rank_gather_bytes: {mib(computed)} MiB"
-                f"{', + the cast of the fp32 masters in flight' if r.method == 'full' else ''}), held in forward and "
-                "again in backward beside the parameters."
+                f"Unit gathers, {r.slice} {r.base} {r.method}: each FSDP2 unit gathered alone allocates (MiB) "
+                f"{listed}; the largest, a decoder layer: {mib(max(layers, default=0))} MiB (measured; "
+                f"gathered_unit_bytes: {mib(computed['layer'])} MiB a layer{cast}, {mib(computed['head'])} MiB "
+                "the final norm + head, one unit: either module's unshard gathers both)."
             )
     lines += ["", "Targets (issue 30):", ""]
     lines += [f"- {what}: {got} — {'met' if ok else 'NOT met'}" for what, got, ok in targets(rows)]
@@ -738,26 +761,29 @@ def whole_model_markdown() -> list[str]:
         )
     lines += [
         "",
-        "| model | method | hardware | parameters GB | gradients GB | AdamW GB | total GB per rank | fits? |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | method | hardware | parameters GB | gradients GB | AdamW GB | total GB per rank "
+        "| a layer gathered GB | fits? |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in whole_model_rows():
         fits = f"yes, {row['left_gb']:.0f} GB left" if row["fits"] else f"no, {-row['left_gb']:.0f} GB over"
-        if row["fits"] and row["one_rank_gather_gb"]:
-            left = row["left_with_gather_gb"]
-            fits += f"; {left:.0f} GB with the one-rank gather" if left > 0 else f"; {-left:.0f} GB over with it"
+        if row["fits"]:
+            left = row["left_with_gathers_gb"]
+            fits += f"; {left:.0f} GB after the gathers" if left > 0 else f"; {-left:.0f} GB over with the gathers"
         lines.append(
             f"| {row['model']} | {row['method']} | {row['hardware']} ({row['layout']}) | {row['parameters']:.1f} "
-            f"| {row['gradients']:.1f} | {row['adamw']:.1f} | {row['total']:.1f} | {fits} |"
+            f"| {row['gradients']:.1f} | {row['adamw']:.1f} | {row['total']:.1f} | {row['layer_gather_gb']:.2f} "
+            f"| {fits} |"
         )
     lines += [
         "",
-        "GB = 1e9 bytes; capacities taken as 80e9 and 141e9 bytes. Activations, FSDP2's all-gathered bf16 copies of "
-        "the layers in flight and allocator slack are excluded: what is left must hold them. Full FT: fp32 masters, "
-        "gradients and both moments (16 bytes a parameter); LoRA: bf16 base (2 bytes), adapters with their gradients "
-        "and moments in fp32 (16 bytes an adapter parameter). One-rank gather: on one rank the current code wraps "
-        "the model in one FSDP2 unit under a mixed policy, so a LoRA step holds a second (bf16 or packed) copy of the "
-        "base besides (measured: the world-1 LoRA rows of the slices; see one_rank_gather_bytes).",
+        "GB = 1e9 bytes; capacities taken as 80e9 and 141e9 bytes. Full FT: fp32 masters, gradients and both "
+        "moments (16 bytes a parameter); LoRA: bf16 base (2 bytes), adapters with their gradients and moments in fp32 "
+        "(16 bytes an adapter parameter). FSDP2 gathers one unit at a time (the fsdp_plan's units, on one rank too): "
+        "a layer gathered is one decoder layer in bf16 per rank (its local experts only under EP; packed under "
+        "quantized_experts), gathered_unit_bytes; 'after the gathers' also takes off the final norm + head (kept "
+        "gathered through a step) and two layers (one computing, one prefetched), an upper estimate. Activations and "
+        "allocator slack are excluded: what is left must hold them.",
     ]
     return lines
 
@@ -789,7 +815,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the world-1 rank (this process)")
     parser.add_argument("--quick", action="store_true", help="1 round, 2 steps, fewer experts, one base per slice")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--report", action="store_true", help="rewrite --out's report from its bench_lora.json")
     args = parser.parse_args()
+    if args.report:
+        saved = json.loads((Path(args.out) / "bench_lora.json").read_text())
+        names = {f.name for f in fields(Row)}
+        rows = [Row(**{k: v for k, v in row.items() if k in names}) for row in saved["rows"]]
+        args = argparse.Namespace(**{**saved["args"], "out": args.out})
+        slices = {key: SLICES[key] for key in args.slices}
+        if args.quick:
+            slices = {key: replace(s, dims=replace(s.dims, experts=QUICK_EXPERTS[key])) for key, s in slices.items()}
+        write(rows, saved["mxfp4_expert_bytes"], slices, args)
+        return
     if args.quick:
         args.rounds, args.steps = 1, 2
     for dims in (QWEN3_30B_A3B, GPT_OSS_120B):
