@@ -103,9 +103,8 @@ def _base_and_state(
     reader: CheckpointReader, state_dir: Path, model: CausalLM, frozen: set[str]
 ) -> Iterator[tuple[str, Tensor]]:
     """Every parameter in the model's order: a frozen base weight from the base checkpoint, anything else (the
-    factors, a moved selection bias) from the state."""
-    for name, param in model.named_parameters():
-        if name in frozen:
-            yield name, reader.read(name)
-        else:
-            yield from read_entries(state_dir, [(name, param)])
+    factors, a moved selection bias) from the state (one reader of it, in the same order)."""
+    named = list(model.named_parameters())
+    from_state = read_entries(state_dir, [(name, param) for name, param in named if name not in frozen])
+    for name, _ in named:
+        yield (name, reader.read(name)) if name in frozen else next(from_state)

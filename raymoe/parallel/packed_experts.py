@@ -50,7 +50,7 @@ def _packed_placeholders(path: str, weight: Tensor) -> tuple[Tensor, Tensor]:
     scales = torch.empty(experts, rows, groups, dtype=torch.uint8, device="meta")
     if not isinstance(weight, DTensor):
         return blocks, scales
-    placements = [_carried(path, p, i, weight, groups) for i, p in enumerate(weight.placements)]
+    placements = [_carried(path, p, i, weight) for i, p in enumerate(weight.placements)]
     mesh = weight.device_mesh
     return (
         distribute_tensor(blocks, mesh, placements, src_data_rank=None),
@@ -58,7 +58,7 @@ def _packed_placeholders(path: str, weight: Tensor) -> tuple[Tensor, Tensor]:
     )
 
 
-def _carried(path: str, placement: Placement, mesh_dim: int, weight: DTensor, groups: int) -> Placement:
+def _carried(path: str, placement: Placement, mesh_dim: int, weight: DTensor) -> Placement:
     """``placement`` of ``W`` (on mesh dim ``mesh_dim``) as the blocks' and scales' (same tensor dims 0..2)."""
     dim = shard_dim(placement, weight.ndim)
     if dim is None:

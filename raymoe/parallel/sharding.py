@@ -139,6 +139,11 @@ def read_local_shard(tensor: Tensor, read: Callable[[Block], Tensor]) -> Tensor:
     return _concat_grid(parts, grid_shape)
 
 
+def local_tensor(tensor: Tensor) -> Tensor:
+    """This rank's local tensor of ``tensor`` (a DTensor's local part; a plain tensor is its own)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def with_local_shard(placeholder: Tensor, local: Tensor) -> Tensor:
     """``local`` (what :func:`read_local_shard` built) as a tensor laid out like ``placeholder``."""
     if not isinstance(placeholder, DTensor):

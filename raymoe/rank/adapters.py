@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from raymoe.checkpoint.adapter import AdapterFile, from_peft, peft_keys, to_peft
 from raymoe.models.common.lora import AdapterTarget, adapter_parameters
-from raymoe.parallel.sharding import Block, read_local_shard
+from raymoe.parallel.sharding import Block, local_tensor, read_local_shard
 from raymoe.rank.context import RankContext
 from raymoe.rank.contract import AdapterTensors
 from raymoe.spec.lora import LoraSpec
@@ -35,7 +35,7 @@ def fill_adapters(model: nn.Module, spec: LoraSpec) -> None:
         target, _ = keys[name]
         shape = tuple(param.shape)
         full = source.read(name, shape) if source is not None else fresh_factor(target, name, shape, spec)
-        local = param.to_local() if isinstance(param, DTensor) else param
+        local = local_tensor(param)
         with torch.no_grad():
             local.copy_(read_local_shard(param, _slicer(full)))
 

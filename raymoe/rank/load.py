@@ -17,7 +17,6 @@ from collections.abc import Mapping
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from raymoe.checkpoint.model_io import open_checkpoint
 from raymoe.checkpoint.reader import CheckpointReader
@@ -30,7 +29,7 @@ from raymoe.parallel.apply import apply_rules
 from raymoe.parallel.fsdp import FsdpUnits, apply_fsdp
 from raymoe.parallel.packed_experts import pack_experts
 from raymoe.parallel.pipeline import paths_held, rules_held
-from raymoe.parallel.sharding import Block, read_local_shard
+from raymoe.parallel.sharding import Block, local_tensor, read_local_shard
 from raymoe.parallel.styles import ParallelStyle
 from raymoe.rank.adapters import fill_adapters
 from raymoe.rank.context import LoadedModel, RankContext
@@ -71,8 +70,8 @@ def load_shards(ctx: RankContext, spec: LaunchSpec) -> LoadReport:
             if spec.lora is not None:
                 fill_adapters(part, spec.lora)
     ctx.loaded = LoadedModel(runner, spec, policy)
-    trainable = [_local(p) for part in runner.parts for p in part.parameters() if p.requires_grad]
-    frozen = [_local(p) for part in runner.parts for p in part.parameters() if not p.requires_grad]
+    trainable = [local_tensor(p) for part in runner.parts for p in part.parameters() if p.requires_grad]
+    frozen = [local_tensor(p) for part in runner.parts for p in part.parameters() if not p.requires_grad]
     return LoadReport(
         ctx.rank,
         bytes_read,
@@ -194,15 +193,11 @@ def _read_shards(model: CausalLM, reader: CheckpointReader) -> int:
                 return reader.read_packed(*packed[name], block)
             return reader.read(name, block)
 
-        local = param.to_local() if isinstance(param, DTensor) else param
+        local = local_tensor(param)
         with torch.no_grad():
             local.copy_(read_local_shard(param, read))
     return reader.bytes_read - start
 
 
-def _local(param: Tensor) -> Tensor:
-    return param.to_local() if isinstance(param, DTensor) else param
-
-
 def _bytes_held(model: CausalLM) -> int:
-    return sum(_local(param).numel() * _local(param).element_size() for param in model.parameters())
+    return sum(local_tensor(param).numel() * local_tensor(param).element_size() for param in model.parameters())

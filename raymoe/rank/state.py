@@ -38,11 +38,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from raymoe.checkpoint.staging import CheckpointSaveError, swap_in, write_json
 from raymoe.checkpoint.training_state import MANIFEST_FILE, MOMENTS, model_entries, model_key, optimizer_key, rng_key
 from raymoe.models.common.decoder import CausalLM
+from raymoe.parallel.sharding import local_tensor
 from raymoe.parallel.state_planner import BoxLoadPlanner, BoxSavePlanner
 from raymoe.rank.context import LoadedModel, RankContext
 from raymoe.rank.contract import StateAnswer, StateRequest
@@ -277,7 +277,7 @@ def _load_targets(loaded: LoadedModel) -> dict[str, Any]:
                 state[optimizer_key(name, moment)] = torch.empty_like(param.detach())
         state[optimizer_key(name, "step")] = moments.get("step")
         if state[optimizer_key(name, "step")] is None:
-            state[optimizer_key(name, "step")] = torch.zeros((), dtype=torch.float32, device=_local(param).device)
+            state[optimizer_key(name, "step")] = torch.zeros((), dtype=torch.float32, device=local_tensor(param).device)
     return state
 
 
@@ -287,10 +287,6 @@ def _adopt_moments(loaded: LoadedModel, targets: dict[str, Any]) -> None:
     for name, param in loaded.named_parameters():
         if param.requires_grad:
             optimizer.state[param] = {what: targets[optimizer_key(name, what)] for what in ("step", *MOMENTS)}
-
-
-def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _reshard(model: CausalLM) -> None:
