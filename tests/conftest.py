@@ -683,3 +683,90 @@ def deepseek_fp8_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[P
     }
     (quantized / "config.json").write_text(json.dumps(config, indent=2))
     return quantized, dequantized
+
+
+# --- RL references in plain torch (issue 31): log-probs, policy losses, a transformers router forced to routes ---
+
+
+class PlainRL:
+    """One-process references for the RL tests, on a transformers model; nothing of raymoe."""
+
+    @staticmethod
+    def logprobs(hf_model: Any, ids: torch.Tensor, temperature: float = 1.0, attention_mask: Any = None) -> Any:
+        """``[B, S]``: entry t = log_softmax(logits[t - 1] / T)[ids[t]], entry 0 = 0 (with the graph)."""
+        logits = hf_model(input_ids=ids, attention_mask=attention_mask).logits.float() / temperature
+        logp = torch.log_softmax(logits, dim=-1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+        return torch.nn.functional.pad(logp, (1, 0))
+
+    @staticmethod
+    def entropy(hf_model: Any, ids: torch.Tensor, temperature: float = 1.0) -> Any:
+        logp = torch.log_softmax(hf_model(input_ids=ids).logits.float() / temperature, dim=-1)
+        return torch.nn.functional.pad(-(logp.exp() * logp).sum(-1)[:, :-1], (1, 0))
+
+    @staticmethod
+    def loss(lp, old, adv, ref, mask, kind, aggregation, *, clip_low=0.2, clip_high=None, clip_c=None, kl_coef=0.0,
+             max_new_tokens=None):  # fmt: skip
+        """The policy loss as the RL papers write it (PPO / DAPO clip, dual clip, k3 KL, three aggregations)."""
+        ratio = torch.exp(lp - old)
+        high = clip_low if clip_high is None else clip_high
+        if kind == "ppo":
+            pg = torch.max(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_low, 1 + high))
+            if clip_c is not None:
+                pg = torch.where(adv < 0, torch.min(pg, -adv * clip_c), pg)
+        else:
+            pg = -adv * ratio
+        per = pg
+        if kl_coef:
+            delta = ref - lp
+            per = pg + kl_coef * (torch.exp(delta) - delta - 1)
+        m = mask.float()
+        if aggregation == "token-mean":
+            return (per * m).sum() / m.sum()
+        if aggregation == "sequence-mean":
+            rows = m.sum(1) > 0
+            return ((per * m).sum(1)[rows] / m.sum(1)[rows]).mean()
+        return (per * m).sum() / (mask.shape[0] * max_new_tokens)
+
+    @staticmethod
+    def rollout(vocab: int, rows: int = 4, seq: int = 8, seed: int = 0) -> tuple[Any, Any, Any]:
+        """``(ids, loss_mask, advantages)``: completions of different lengths after a 3-token prompt."""
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, vocab, (rows, seq), generator=g)
+        mask = torch.zeros(rows, seq, dtype=torch.bool)
+        for r in range(rows):
+            mask[r, 3 : max(4, seq - r % 4)] = True
+        adv = torch.randn(rows, 1, generator=g).expand(rows, seq).contiguous()
+        return ids, mask, adv
+
+    @staticmethod
+    def forced(routes_BSLK: torch.Tensor, num_experts: int, top_k: int) -> Any:
+        """A context in which transformers' routers choose ``routes`` (``[B, S, L_moe, K]``, layer by layer in
+        forward order): ``torch.topk`` on a ``[T, num_experts]`` score with ``k = top_k`` answers the forced ids (and
+        the scores at them); transformers' routers then weight them as they weight their own choice."""
+        import contextlib
+
+        real = torch.topk
+        per_layer = [routes_BSLK[:, :, j].reshape(-1, top_k).long() for j in range(routes_BSLK.shape[2])]
+        calls = iter(range(10**6))
+
+        def topk(input, k, dim=-1, largest=True, sorted=True):
+            if input.dim() == 2 and input.shape[-1] == num_experts and k == top_k:
+                ids = per_layer[next(calls) % len(per_layer)]
+                return torch.return_types.topk((input.gather(-1, ids), ids))
+            return real(input, k, dim=dim, largest=largest, sorted=sorted)
+
+        @contextlib.contextmanager
+        def patched():
+            torch.topk = topk
+            try:
+                yield
+            finally:
+                torch.topk = real
+
+        return patched()
+
+
+@pytest.fixture(scope="session")
+def plain_rl() -> type[PlainRL]:
+    """:class:`PlainRL`: the RL tests' one-process references."""
+    return PlainRL

@@ -5,6 +5,8 @@
                  -> read each parameter, assign it in place of the meta one -> re-tie embeddings
     save_model   config.json + weights in the hub layout (per-expert tensors), loadable by transformers,
                  staged beside the directory and swapped in whole (raymoe.checkpoint.writer)
+    hub_tensors  the (hub name, tensor) pairs save_model writes for (parameter name, tensor) pairs, unwritten
+                 (weights streamed to a rollout engine: raymoe.rank.weight_stream)
 
 Sharded loading on the ranks (:mod:`raymoe.rank.load`) reads blocks of each parameter through the
 same :class:`CheckpointReader` (:func:`open_checkpoint`); sharded saving streams gathered tensors
@@ -14,7 +16,7 @@ into :func:`save_model`.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -25,6 +27,7 @@ from raymoe.checkpoint.reader import CheckpointReader, SafetensorsFiles
 from raymoe.checkpoint.staging import write_json
 from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE, CheckpointWriter
 from raymoe.models.common.decoder import CausalLM
+from raymoe.models.common.hub_layout import split_fused
 from raymoe.models.common.shard_hints import FLOAT32_ATTR, float32_modules
 from raymoe.models.registry import build_model, load_model_config
 
@@ -114,15 +117,38 @@ def save_model(
     a README) are kept. A failure raises :class:`~raymoe.checkpoint.staging.CheckpointSaveError` (an
     ``OSError``) naming the file and the cause and leaves ``directory`` as it was.
     """
-    modules = float32_modules(model)
-    kept = {f"{path}.{name}" for path, module in modules.items() for name in getattr(module, FLOAT32_ATTR)}
+    named = tensors if tensors is not None else model.named_parameters()
     with CheckpointWriter(directory, layout=model.hub_layout(), max_shard_size=max_shard_size) as writer:
-        for name, tensor in tensors if tensors is not None else model.named_parameters():
-            if dtype is not None and tensor.is_floating_point() and name not in kept:
-                tensor = tensor.to(dtype)
+        for name, tensor in checkpoint_cast(model, named, dtype):
             writer.write_parameter(name, tensor)
         write_config(model, writer.staging, dtype)
         return writer.close()
+
+
+def checkpoint_cast(
+    model: CausalLM, tensors: Iterable[tuple[str, Tensor]], dtype: torch.dtype | None
+) -> Iterator[tuple[str, Tensor]]:
+    """``tensors`` (parameter name, tensor) with the floating ones in ``dtype`` (None: as they come), except the
+    parameters ``model`` keeps in float32 (a router's selection bias): the cast :func:`save_model` writes."""
+    modules = float32_modules(model)
+    kept = {f"{path}.{name}" for path, module in modules.items() for name in getattr(module, FLOAT32_ATTR)}
+    for name, tensor in tensors:
+        if dtype is not None and tensor.is_floating_point() and name not in kept:
+            tensor = tensor.to(dtype)
+        yield name, tensor
+
+
+def hub_tensors(
+    model: CausalLM, tensors: Iterable[tuple[str, Tensor]], dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, Tensor]]:
+    """``tensors`` (parameter name, full tensor) as the ``(hub name, tensor)`` pairs :func:`save_model` writes for
+    them: cast by :func:`checkpoint_cast`, fused parameters split by ``model.hub_layout()`` (views of the parameter,
+    or of its transposed copy; on the parameter's device)."""
+    layout = model.hub_layout()
+    for name, tensor in checkpoint_cast(model, tensors, dtype):
+        if name not in layout:
+            raise ValueError(f"{name!r} is not a parameter of the model's hub layout")
+        yield from split_fused(layout[name], tensor.detach())
 
 
 def write_config(model: CausalLM, directory: str | os.PathLike[str], dtype: torch.dtype | None = None) -> Path:

@@ -12,7 +12,7 @@ cannot see it): its label is ignored, as transformers' ``DataCollatorWithFlatten
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -132,9 +132,16 @@ def check_right_padded(mask: Tensor) -> None:
 
 
 def split_micro_batches(
-    input_ids: Tensor, labels: Tensor, token_mask: Tensor, micro_batches: int, document_ids: Tensor | None = None
+    input_ids: Tensor,
+    labels: Tensor,
+    token_mask: Tensor,
+    micro_batches: int,
+    document_ids: Tensor | None = None,
+    fields: dict[str, Tensor] | None = None,
+    routes: Tensor | None = None,
 ) -> list[MicroBatch]:
-    """A rank's rows as ``micro_batches`` consecutive row blocks, for gradient accumulation."""
+    """A rank's rows as ``micro_batches`` consecutive row blocks, for gradient accumulation (a policy loss's
+    per-token ``fields`` and replayed ``routes`` cut with them)."""
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
     if input_ids.shape[0] < micro_batches:
@@ -146,4 +153,11 @@ def split_micro_batches(
     docs: Sequence[Tensor | None] = (
         torch.tensor_split(document_ids, micro_batches) if document_ids is not None else [None] * micro_batches
     )
-    return [MicroBatch(*micro) for micro in zip(ids, labs, mask, docs, strict=True)]
+    micros = [MicroBatch(*micro) for micro in zip(ids, labs, mask, docs, strict=True)]
+    if fields is not None:
+        blocks = {name: torch.tensor_split(value, micro_batches) for name, value in fields.items()}
+        micros = [replace(m, fields={n: b[i] for n, b in blocks.items()}) for i, m in enumerate(micros)]
+    if routes is not None:
+        route_blocks = torch.tensor_split(routes, micro_batches)
+        micros = [replace(m, routes=route_blocks[i]) for i, m in enumerate(micros)]
+    return micros

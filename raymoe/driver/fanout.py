@@ -74,6 +74,14 @@ class FanOut:
         self._ranks = ranks
         self.topology = topology
 
+    @property
+    def is_alive(self) -> bool:
+        """Whether the ranks still run (not shut down, no rank failure ended them)."""
+        try:
+            return self._ranks().is_alive
+        except RuntimeError:  # shut down: the lease refuses every call
+            return False
+
     def per_batch(self, fn: Callable[..., Any], args_of_batch: Sequence[tuple[Any, ...]]) -> list[Any]:
         """``fn(ctx, *args_of_batch[b])`` on every rank of batch ``b``; each batch's answer, in batch order."""
         return one_per_batch(self.to_batches(fn, args_of_batch), self.topology)

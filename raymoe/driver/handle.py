@@ -3,7 +3,9 @@ concerns in rooms of their own.
 
     DistributedModel (this facade)      checks nothing itself; each call goes to the room of its concern
       inference.Inference               __call__ (logits), generate, generate_stream
-      training.TrainingSession          configure_training, train_step, evaluate; the settings and step
+      loaded_view.LoadedView            what was loaded: topology, plans, lora, precision, describe (inherited)
+      rl_methods.ReinforcementMethods   logprobs, iter_hub_weights, push_weights (RL; inherited)
+      training.TrainingSession          configure_training, train_step (policy losses: policy.py), evaluate
       hub_save.save_pretrained          save_pretrained
       states.TrainingStates             save_state, wait_for_save, check_state, load_state
       tenancy.RankLease                 who holds the ranks: shutdown, restart, is_alive
@@ -26,11 +28,16 @@ from torch import Tensor
 
 from raymoe.checkpoint.training_state import StateManifest
 from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE
-from raymoe.driver.adapters import describe_adapters, save_adapter
+from raymoe.driver.adapters import save_adapter
 from raymoe.driver.fanout import FanOut
 from raymoe.driver.group import RankGroup
 from raymoe.driver.hub_save import save_pretrained
 from raymoe.driver.inference import GenerationOptions, Inference
+from raymoe.driver.loaded_view import LoadedView
+from raymoe.driver.logprobs import Logprobs
+from raymoe.driver.policy import prepare_policy
+from raymoe.driver.rl_methods import ReinforcementMethods
+from raymoe.driver.routes import check_routes
 from raymoe.driver.states import CheckedState, TrainingStates
 from raymoe.driver.tenancy import RankLease
 from raymoe.driver.training import TrainingSession
@@ -39,14 +46,11 @@ from raymoe.rank.contract import LoadReport
 from raymoe.rank.load import load_shards
 from raymoe.spec.balance import DEFAULT_BIAS_UPDATE_RATE, BalanceConfig, BalanceOptions
 from raymoe.spec.launch import LaunchSpec
-from raymoe.spec.lora import LoraConfig
 from raymoe.spec.optimizer import OptimizerConfig
-from raymoe.spec.plans import ResolvedPlans
-from raymoe.spec.precision import PrecisionPolicy
-from raymoe.spec.topology import Topology
+from raymoe.spec.policy import PolicyLossFn
 
 
-class DistributedModel:
+class DistributedModel(LoadedView, ReinforcementMethods):
     """A model sharded over rank processes. Use as a context manager, or call :meth:`shutdown`."""
 
     def __init__(self, spec: LaunchSpec, group: RankGroup, load_reports: list[LoadReport], *, owns_group: bool) -> None:
@@ -59,6 +63,7 @@ class DistributedModel:
         # The rooms hold the lease, never the handle: collecting the handle releases its ranks.
         self._inference = Inference(spec.config, fanout, lambda: lease.is_alive)
         self._training = TrainingSession(spec.config, fanout, load_reports[0].precision)
+        self._logprobs = Logprobs(spec.config, fanout)
         self._states = TrainingStates(spec, self._training, fanout)
         self._fanout = fanout
 
@@ -71,62 +76,6 @@ class DistributedModel:
         if not owns_group:
             RankLease.check_vacant(group)
         return cls(spec, group, _load(spec, group, owns_group), owns_group=owns_group)
-
-    # --- what was loaded ------------------------------------------------------------------------
-
-    @property
-    def topology(self) -> Topology:
-        return self._spec.topology
-
-    @property
-    def source(self) -> str:
-        """The checkpoint directory (absolute) or hub id this model was loaded from."""
-        return self._spec.source
-
-    @property
-    def tp_plan(self) -> dict[str, str]:
-        """The merged TP plan (model defaults + overrides), wildcard keys (PLAN-1)."""
-        return dict(self._spec.plans.tp_plan)
-
-    @property
-    def ep_plan(self) -> dict[str, str]:
-        return dict(self._spec.plans.ep_plan)
-
-    @property
-    def fsdp_plan(self) -> dict[str, str]:
-        return dict(self._spec.plans.fsdp_plan)
-
-    @property
-    def plans(self) -> ResolvedPlans:
-        """The resolved plans every rank applied: merged plans, concrete rules and the style instances."""
-        return self._spec.plans
-
-    @property
-    def supports_tp_plan(self) -> bool:
-        return bool(self._spec.plans.tp_plan)
-
-    @property
-    def lora(self) -> LoraConfig | None:
-        """The LoRA adapters' config (a PEFT directory's when loaded from one), or None: every weight trains."""
-        return self._spec.lora.config if self._spec.lora is not None else None
-
-    @property
-    def precision(self) -> PrecisionPolicy:
-        """The precision policy the ranks hold the model in (:mod:`raymoe.spec.precision`)."""
-        return self.load_reports[0].precision
-
-    def describe(self) -> str:
-        """The rank picture of this layout (SPEC TOPO-3) and the precision policy."""
-        num_experts = self.model_config.moe.num_experts if self.model_config.moe is not None else None
-        text = f"{self.topology.describe(num_experts=num_experts)}\n{self.precision.describe()}"
-        if self._spec.lora is None:
-            return text
-        largest = max(self.load_reports, key=lambda report: report.bytes_held)
-        frozen_bytes = largest.bytes_held - largest.trainable_bytes
-        lines = describe_adapters(
-            self._spec, largest.trainable_params, largest.frozen_params, largest.trainable_bytes, frozen_bytes
-        )
-        return f"{text}\n{lines}"
 
     # --- inference ------------------------------------------------------------------------------
 
@@ -154,14 +103,15 @@ class DistributedModel:
         *,
         attention_mask: Tensor | None = None,
         **options: Any,
-    ) -> Tensor | list[list[int]]:
+    ) -> Any:
         """Continue each prompt by up to ``max_new_tokens`` tokens (greedy by default), with a KV cache on every rank.
 
         ``prompts``: a ``[B, S]`` tensor (left-padded with ``attention_mask``) -> ``[B, S + n]``, rows that
         finished early padded with ``pad_token_id``; or a list of token-id lists of any lengths -> a list of
         prompt + continuation lists, no padding. Any ``B`` on any layout. ``options`` are the fields of
         :class:`~raymoe.driver.inference.GenerationOptions`: ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
-        ``seed``, ``eos_token_ids``, ``stop_sequences``, ``pad_token_id``.
+        ``seed``, ``eos_token_ids``, ``stop_sequences``, ``pad_token_id``, ``return_routed_experts`` (then
+        ``(tokens, routes)``: every token's experts ``[B, S + n, L_moe, K]`` int16, or ``[n_b, L_moe, K]`` per list).
         """
         choice = GenerationOptions.of("generate", options)
         return self._inference.generate(prompts, max_new_tokens, attention_mask, choice)
@@ -235,6 +185,13 @@ class DistributedModel:
         micro_batches: int = 1,
         *,
         document_ids: Tensor | None = None,
+        loss: str | PolicyLossFn = "cross_entropy",
+        advantages: Tensor | None = None,
+        old_logprobs: Tensor | None = None,
+        ref_logprobs: Tensor | None = None,
+        loss_mask: Tensor | None = None,
+        routed_experts: Tensor | None = None,
+        **loss_options: Any,
     ) -> dict[str, Any]:
         """One optimizer step on the global batch; the loss is the mean over all its label tokens.
 
@@ -249,9 +206,21 @@ class DistributedModel:
         ``lr`` and, for MoE models, per MoE layer ``expert_load``, ``expert_imbalance``, ``rank_load``,
         ``rank_imbalance``, ``dead_experts``, ``dropped_pairs``, and the step's ``aux_loss`` (reported even
         when its coefficient ``aux_loss_coef`` is 0).
+
+        RL: ``loss="importance_sampling"``, ``"ppo"`` or a callable, with ``[B, S]`` ``advantages``,
+        ``old_logprobs``, ``ref_logprobs``, ``loss_mask`` aligned as :meth:`logprobs` answers, and
+        ``loss_options`` (``clip_low``, ``clip_high``, ``clip_c``, ``kl_coef``, ``loss_aggregation``,
+        ``max_new_tokens``, ``temperature``): :mod:`raymoe.spec.policy`. Returns ``loss``, ``policy_loss``, ``kl``,
+        ``clip_fraction``, ``approx_kl``, ``grad_norm``, ``num_tokens``. ``routed_experts [B, S, L_moe, K]``: the
+        routers replay these experts (see :meth:`logprobs`).
         """
         batch = self._training.global_batch(input_ids, labels, attention_mask, document_ids)
-        return self._training.train_step(batch, micro_batches, lr)
+        given = {"advantages": advantages, "old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs}
+        policy = prepare_policy(batch, loss, loss_options, given, loss_mask)
+        routes = None
+        if routed_experts is not None:
+            routes = check_routes(routed_experts, self.model_config, batch.input_ids, "train_step")
+        return self._training.train_step(batch, micro_batches, lr, policy, routes)
 
     def evaluate(
         self,

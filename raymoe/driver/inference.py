@@ -27,7 +27,9 @@ from raymoe.driver.prompts import (
     check_stop_sequences,
     check_token_ids,
     prompt_batch,
+    routes_as_output,
 )
+from raymoe.driver.routes import route_shape
 from raymoe.models.common.config import ModelConfig
 from raymoe.models.common.generation import SamplingConfig, stop_rules, trim_finished
 from raymoe.rank.contract import DecodeRequest
@@ -42,6 +44,7 @@ class GenerationOptions:
     ``(seed, the row's index, the step)``: the same seed gives the same tokens under every layout. A row finishes
     at an ``eos_token_ids`` token (default: the config's) or at the end of a ``stop_sequences`` entry (both kept);
     a tensor's finished rows are padded with ``pad_token_id`` (default: the config's, else the first eos id).
+    ``return_routed_experts``: ``generate`` answers ``(tokens, routes)`` (router replay, MoE models).
     """
 
     do_sample: bool = False
@@ -52,6 +55,7 @@ class GenerationOptions:
     eos_token_ids: Sequence[int] | None = None
     stop_sequences: Sequence[Sequence[int]] = ()
     pad_token_id: int | None = None
+    return_routed_experts: bool = False  # router replay: also every token's experts (generate only)
 
     @classmethod
     def of(cls, method: str, options: dict[str, Any]) -> GenerationOptions:
@@ -100,20 +104,29 @@ class Inference:
         return split.gather(self.fanout.per_batch(forward_logits, args))
 
     def generate(self, prompts: object, max_new_tokens: object, attention_mask: object | None,
-                 options: GenerationOptions) -> Tensor | list[list[int]]:  # fmt: skip
+                 options: GenerationOptions) -> Any:  # fmt: skip
+        """The tokens (see ``DistributedModel.generate``); with ``return_routed_experts`` also their routes,
+        ``[B, S + n, L_moe, K]`` for a tensor (padding and finished rows' pad steps included) or each list's own."""
         decoding = self.decoding(prompts, max_new_tokens, attention_mask, options)
         answers = self.fanout.per_batch(generate_tokens, decoding.args_of_batch())
-        width = max(tokens.shape[1] for tokens, _ in answers)
+        width = max(answer[0].shape[1] for answer in answers)
         pad = decoding.request.stop.pad_id
         split = decoding.split
-        tokens = split.gather([F.pad(t, (0, width - t.shape[1]), value=pad) for t, _ in answers])
-        lengths = split.gather([lengths for _, lengths in answers])
+        tokens = split.gather([F.pad(answer[0], (0, width - answer[0].shape[1]), value=pad) for answer in answers])
+        lengths = split.gather([answer[1] for answer in answers])
         prompt_width = decoding.batch.input_ids.shape[1]
-        return as_output(trim_finished(tokens, prompt_width, lengths), decoding.batch, lengths)
+        kept = trim_finished(tokens, prompt_width, lengths)
+        output = as_output(kept, decoding.batch, lengths)
+        if not options.return_routed_experts:
+            return output
+        routes = split.gather([F.pad(a[2], (0, 0, 0, 0, 0, width - a[2].shape[1])) for a in answers])
+        return output, routes_as_output(routes[:, : kept.shape[1]], decoding.batch, lengths)
 
     def stream(self, prompts: object, max_new_tokens: object, attention_mask: object | None,
                options: GenerationOptions) -> Iterator[list[int | None]]:  # fmt: skip
         """Checked now (before the first step); the steps run as the caller iterates."""
+        if options.return_routed_experts:
+            raise ValueError("generate_stream: return_routed_experts is an option of generate (the whole rows)")
         return self._steps(self.decoding(prompts, max_new_tokens, attention_mask, options))
 
     def _steps(self, decoding: Decoding) -> Iterator[list[int | None]]:
@@ -148,5 +161,8 @@ class Inference:
         )
         batch = prompt_batch(prompts, attention_mask, config.vocab_size, stop.pad_id)
         check_sequence_length(batch.input_ids.shape[1] + max_new_tokens, config.max_position_embeddings)
+        if options.return_routed_experts:
+            route_shape(config, batch.num_rows, batch.input_ids.shape[1])  # a dense model has none: refused
         split = split_rows(batch.num_rows, self.fanout.topology.config.dp_size)
-        return Decoding(batch, split, DecodeRequest(max_new_tokens, sampling, stop))
+        request = DecodeRequest(max_new_tokens, sampling, stop, keep_routes=bool(options.return_routed_experts))
+        return Decoding(batch, split, request)

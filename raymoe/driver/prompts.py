@@ -122,6 +122,19 @@ def _token_lists(prompts: object, vocab_size: int) -> list[list[int]]:
     return rows
 
 
+def routes_as_output(routes: Tensor, batch: PromptBatch, lengths: Tensor) -> Tensor | list[Tensor]:
+    """Routes ``[B, W, L_moe, K]`` in the form :func:`as_output` gives the tokens: as they are for a tensor, else each
+    row's ``[n_b, L_moe, K]`` for the tokens of its list."""
+    if not batch.as_list:
+        return routes
+    width = batch.input_ids.shape[1]
+    out = []
+    for b, real in enumerate(batch.lengths):
+        end = routes.shape[1] if int(lengths[b]) < 0 else width + int(lengths[b])
+        out.append(routes[b, width - real : end].clone())
+    return out
+
+
 def as_output(tokens: Tensor, batch: PromptBatch, lengths: Tensor) -> Tensor | list[list[int]]:
     """The caller's form: a tensor ``[B, S + n]`` for a tensor, else each row's prompt and continuation, no padding
     (a row ends with its stop token; ``lengths[b]`` its generated tokens, -1 for a row that ran to the limit)."""

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from raymoe.driver.batch import GlobalBatch, check_sequence_length, make_global_batch, split_micro_batches
 from raymoe.driver.fanout import FanOut, split_batch_rows
+from raymoe.driver.policy import PolicyStep, policy_metrics
 from raymoe.driver.routing import DeadExperts, aux_loss_value, expert_load_metrics
 from raymoe.models.common.config import ModelConfig
 from raymoe.rank.contract import MicroBatch, StepResult
@@ -107,28 +108,44 @@ class TrainingSession:
             raise ValueError("the batch has no label tokens (all labels are -100 or masked)")
         return batch
 
-    def train_step(self, batch: GlobalBatch, micro_batches: int, lr: float | None) -> dict[str, Any]:
-        """One optimizer step on the global batch (see ``DistributedModel.train_step`` for what it returns)."""
+    def train_step(
+        self,
+        batch: GlobalBatch,
+        micro_batches: int,
+        lr: float | None,
+        policy: PolicyStep | None = None,
+        routes: Tensor | None = None,
+    ) -> dict[str, Any]:
+        """One optimizer step on the global batch (see ``DistributedModel.train_step`` for what it returns); a
+        ``policy`` loss (RL) instead of cross-entropy; replayed ``routes [B, S, L_moe, K]``."""
         optimizer = self.require_optimizer("train_step")
         if lr is not None:
             check_lr(lr)
-        micro_of_batch = self.micro_batches(batch, micro_batches)
+        if policy is not None and policy.policy.is_callable and self.balance.aux_loss_coef > 0:
+            raise ValueError(
+                "train_step: loss=callable divides the step's gradients by its normalizer after the backward, which "
+                f"would divide the aux loss (aux_loss_coef={self.balance.aux_loss_coef}) too; configure_training with "
+                "balance='bias' or 'none', or use a built-in loss"
+            )
+        micro_of_batch = self.micro_batches(batch, micro_batches, policy.fields if policy else None, routes)
         self._check_pipeline_pieces(batch.input_ids.shape[0], micro_batches, micro_of_batch)
-        args = [(micro, batch.num_label_tokens, lr) for micro in micro_of_batch]
+        divisor = policy.normalizer if policy is not None else batch.num_label_tokens
+        loss = policy.policy if policy is not None else None
+        args = [(micro, divisor, lr, loss) for micro in micro_of_batch]
         firsts: list[StepResult] = self.fanout.per_batch(train_step, args)
         self.step += 1
         if lr is not None:
             self.optimizer = optimizer = optimizer.with_lr(lr)
-        lm_loss = sum(r.loss_sum for r in firsts) / batch.num_label_tokens
-        metrics: dict[str, Any] = {
-            "loss": lm_loss,  # + aux_loss_coef * aux_loss below, for MoE models
-            "lm_loss": lm_loss,
-            "grad_norm": firsts[0].grad_norm,  # the global norm: the same on every rank
-            "num_tokens": batch.num_label_tokens,
-            "lr": optimizer.lr,
-        }
+        if policy is not None:
+            metrics = policy_metrics(policy, firsts)
+        else:
+            lm_loss = sum(r.loss_sum for r in firsts) / batch.num_label_tokens
+            metrics = {"loss": lm_loss, "lm_loss": lm_loss, "num_tokens": batch.num_label_tokens}
+        metrics["grad_norm"] = firsts[0].grad_norm  # the global norm: the same on every rank
+        metrics["lr"] = optimizer.lr
+        objective = metrics["loss"]
         metrics.update(self._routing_metrics(firsts))
-        metrics["loss"] = lm_loss + self.balance.aux_loss_coef * metrics.get("aux_loss", 0.0)
+        metrics["loss"] = objective + self.balance.aux_loss_coef * metrics.get("aux_loss", 0.0)
         return metrics
 
     def evaluate(self, batch: GlobalBatch, micro_batches: int) -> dict[str, Any]:
@@ -137,14 +154,26 @@ class TrainingSession:
         loss_sum = sum(results)
         return {"loss": loss_sum / batch.num_label_tokens, "loss_sum": loss_sum, "num_tokens": batch.num_label_tokens}
 
-    def micro_batches(self, batch: GlobalBatch, micro_batches: int) -> list[list[MicroBatch]]:
-        """Each data-parallel batch's rows of ``batch`` as ``micro_batches`` micro-batches."""
+    def micro_batches(
+        self,
+        batch: GlobalBatch,
+        micro_batches: int,
+        fields: dict[str, Tensor] | None = None,
+        routes: Tensor | None = None,
+    ) -> list[list[MicroBatch]]:
+        """Each data-parallel batch's rows of ``batch`` (and of per-token ``fields``, replayed ``routes``) as
+        ``micro_batches`` micro-batches."""
         split = split_batch_rows(batch.input_ids.shape[0], self.fanout.topology.config.dp_size)
         parts = (split.take_all(t) for t in (batch.input_ids, batch.labels, batch.token_mask))
-        documents = split.take(batch.document_ids)
+        documents, route_parts = split.take(batch.document_ids), split.take(routes)
+        field_parts = [
+            {name: value[rows] for name, value in fields.items()} if fields is not None else None for rows in split.rows
+        ]
         return [
-            split_micro_batches(ids, labs, mask, micro_batches, docs)
-            for ids, labs, mask, docs in zip(*parts, documents, strict=True)
+            split_micro_batches(ids, labs, mask, micro_batches, docs, batch_fields, batch_routes)
+            for ids, labs, mask, docs, batch_fields, batch_routes in zip(
+                *parts, documents, field_parts, route_parts, strict=True
+            )
         ]
 
     def _check_pipeline_pieces(self, rows: int, micro_batches: int, micro_of_batch: list[list[MicroBatch]]) -> None:

@@ -45,6 +45,7 @@ from raymoe.spec.topology import DENSE_AXES, EXPERT_AXES, Axis, RankCoords, Topo
 if TYPE_CHECKING:
     from raymoe.rank.runner import StageRunner
     from raymoe.rank.state import PendingSave
+    from raymoe.rank.weight_stream import WeightStream
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class LoadedModel:
     training: Training | None = None
     generation: Generation | None = None  # a stream in progress (raymoe.rank.infer)
     pending_save: PendingSave | None = None  # an asynchronous save_state still writing (raymoe.rank.state)
+    weight_stream: WeightStream | None = None  # hub weights streamed bucket by bucket (raymoe.rank.weight_stream)
 
     @property
     def parts(self) -> tuple[CausalLM, ...]:

@@ -51,12 +51,16 @@ class MicroBatch:
     """One micro-batch of a rank's rows: ``input_ids`` and ``labels`` ``[B, S]`` int64 (-100: no loss),
     ``token_mask [B, S]`` bool, the real tokens (False: padding), which the aux loss counts, and for packed rows
     ``document_ids [B, S]`` (each document attends only to itself; None: plain rows). Every rank of a tp group
-    gets the same rows (TOPO-1)."""
+    gets the same rows (TOPO-1). A policy loss (RL) adds ``fields``: per-token ``[B, S]`` float32 inputs
+    (``weights``, ``advantages``, ``old_logprobs``, ``ref_logprobs``: :mod:`raymoe.rank.objective`); router
+    replay adds ``routes [B, S, L_moe, K]`` int16, the expert ids every sparse layer uses."""
 
     input_ids: Tensor
     labels: Tensor
     token_mask: Tensor
     document_ids: Tensor | None = None
+    fields: dict[str, Tensor] | None = None
+    routes: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,7 @@ class StepResult:
     expert_load: Tensor | None = None
     dropped_pairs: Tensor | None = None
     aux_stats: Tensor | None = None
+    policy_stats: tuple[float, ...] | None = None  # a policy loss's sums (raymoe.rank.objective), answering rank
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,18 @@ class DecodeRequest:
     max_new_tokens: int
     sampling: SamplingConfig
     stop: StopRules
+    keep_routes: bool = False  # router replay: also answer every token's experts [B, S + n, L_moe, K]
+
+
+@dataclass(frozen=True)
+class LogprobRequest:
+    """How :func:`raymoe.rank.logprobs.token_logprobs` answers: at ``temperature``, with the per-token entropy, and
+    with the routes of the ``num_slots`` sparse layers."""
+
+    temperature: float = 1.0
+    return_entropy: bool = False
+    return_routes: bool = False
+    num_slots: int = 0
 
 
 @dataclass(frozen=True)
@@ -113,6 +130,17 @@ class AdapterTensors:
     for (the first rank of each pipeline stage), empty on the others."""
 
     tensors: dict[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PushAnswer:
+    """Rank 0's answer to ``push_hub_weights``: buckets, tensors and bytes sent (to each receiver), and ``error``, the
+    first receiver failure as a sentence (None: every receiver applied every bucket)."""
+
+    buckets: int = 0
+    tensors: int = 0
+    bytes: int = 0
+    error: str | None = None
 
 
 @dataclass(frozen=True)

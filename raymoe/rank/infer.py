@@ -24,6 +24,7 @@ from raymoe.models.common.transfer import to_device
 from raymoe.parallel.fsdp import keep_unsharded, release_unsharded, reshard
 from raymoe.rank.context import RankContext
 from raymoe.rank.contract import DecodeRequest
+from raymoe.rank.routes import assemble_routes, start_keeping, take_from_parts
 from raymoe.spec.topology import Axis
 
 
@@ -69,25 +70,48 @@ def _last_real(input_ids_BS: Tensor, attention_mask_BS: Tensor | None) -> Tensor
 @torch.no_grad()
 def generate_tokens(
     ctx: RankContext, input_ids_BS: Tensor, attention_mask_BS: Tensor | None, row_ids: Tensor, request: DecodeRequest
-) -> tuple[Tensor, Tensor] | None:
+) -> tuple[Tensor, ...] | None:
     """``(tokens [B_local, S + n], lengths [B_local])`` (n <= max_new_tokens) from the first rank of each tp group.
 
-    ``lengths``: tokens each row generated up to its stop token, -1 for a row that never stopped.
+    ``lengths``: tokens each row generated up to its stop token, -1 for a row that never stopped. With
+    ``request.keep_routes`` a third entry, ``routes [B_local, S + n, L_moe, K]`` int16: the experts each token's
+    forward chose (the last token is fed once more, after the last step, for its own).
     """
+    loaded = ctx.require_model()
     generation = _start(ctx, input_ids_BS, attention_mask_BS, row_ids, request)
     in_step = _in_step(ctx)
+    steps: list[dict[int, Tensor]] = []
+    start_keeping(loaded.parts, request.keep_routes)
     try:
         while generation.steps < request.max_new_tokens:
+            width = generation.prompt_length if generation.steps == 0 else 1
             generation.step()
+            if request.keep_routes:
+                steps.append(take_from_parts(loaded.parts, input_ids_BS.shape[0], width))
             if not in_step and generation.done:
                 break
+        if request.keep_routes:
+            width = generation.prompt_length if generation.steps == 0 else 1
+            generation.feed_newest()
+            steps.append(take_from_parts(loaded.parts, input_ids_BS.shape[0], width))
     finally:
+        start_keeping(loaded.parts, False)
         _release(ctx)
+    routes = _step_routes(ctx, steps) if request.keep_routes else None
     if not ctx.answers_for_batch:
         return None
     tokens_BL = generation.result()
     host = torch.cat([tokens_BL, generation.lengths_B[:, None].to(tokens_BL.dtype)], dim=1).cpu()  # one copy
+    if routes is not None:
+        return host[:, :-1].contiguous(), host[:, -1].to(torch.int64), routes
     return host[:, :-1].contiguous(), host[:, -1].to(torch.int64)
+
+
+def _step_routes(ctx: RankContext, steps: list[dict[int, Tensor]]) -> Tensor | None:
+    """Each step's ``{slot: [B, s, K]}`` joined along the tokens: ``[B, S + n, L_moe, K]`` on the answering rank."""
+    slots = sorted(steps[0]) if steps else []
+    joined = {slot: torch.cat([step[slot] for step in steps], dim=1) for slot in slots}
+    return assemble_routes(ctx, joined, len(ctx.require_model().spec.config.sparse_slots()))
 
 
 def start_stream(
@@ -136,6 +160,7 @@ def _start(
             sampling=request.sampling,
             stop=request.stop,
             row_ids=row_ids.tolist(),  # a host tensor: no device to wait for
+            spare_positions=1 if request.keep_routes else 0,
         )
     except BaseException:
         _release(ctx)

@@ -33,8 +33,10 @@ from raymoe.models.common.loss import causal_lm_loss
 from raymoe.models.common.transfer import to_device
 from raymoe.parallel.vocab_parallel import vocab_parallel_loss, whole
 from raymoe.rank.contract import MicroBatch
+from raymoe.rank.objective import field_names, logits_objective, pack_target, unpack_target
 from raymoe.rank.runner import Backward, PartCall
 from raymoe.spec.pipeline import StagePlan
+from raymoe.spec.policy import PolicyLoss
 from raymoe.spec.topology import Axis
 
 if TYPE_CHECKING:
@@ -43,21 +45,31 @@ if TYPE_CHECKING:
 
 
 class PipelineLoss:
-    """The last stage's loss of one piece: summed token loss / the global batch's label tokens."""
+    """The last stage's loss of one piece: summed token loss (or a policy loss, its per-token inputs packed in the
+    target: :func:`raymoe.rank.objective.pack_target`) / the global normalizer; a policy loss's statistics add up
+    in ``stats``."""
 
     def __init__(self) -> None:
-        self.global_tokens = 1
+        self.divisor = 1.0
+        self.policy: PolicyLoss | None = None
+        self.fields: tuple[str, ...] = ()
+        self.stats: Tensor | None = None
 
-    def __call__(self, logits: Tensor, labels: Tensor) -> Tensor:
-        loss: Tensor = whole(causal_lm_loss(logits, labels, reduction="sum")) / self.global_tokens
-        return loss
+    def __call__(self, logits: Tensor, target: Tensor) -> Tensor:
+        if self.policy is None:
+            loss: Tensor = whole(causal_lm_loss(logits, target, reduction="sum")) / self.divisor
+            return loss
+        input_ids, fields = unpack_target(target, self.fields)
+        loss_sum, stats = logits_objective(logits, input_ids, fields, self.policy)
+        self.stats = stats if self.stats is None else self.stats + stats
+        return loss_sum / self.divisor
 
 
 @dataclass
 class PipelineRuntime:
     """The schedule of the micro-batch shape it was built for; a new shape builds new stages (their buffers)."""
 
-    shape: tuple[int, int, bool]
+    shape: tuple[int, int, bool, bool]
     schedule: Any
     loss: PipelineLoss = field(default_factory=PipelineLoss)
 
@@ -112,35 +124,46 @@ class PipelineStages:
         return StagedDecoder(ctx, self)
 
     def backward(
-        self, ctx: RankContext, training: Training, micro_batches: Sequence[MicroBatch], global_tokens: int
+        self,
+        ctx: RankContext,
+        training: Training,
+        micro_batches: Sequence[MicroBatch],
+        divisor: float,
+        policy: PolicyLoss | None = None,
     ) -> Backward:
         """Each micro-batch through the schedule, cut into ``pp_microbatches`` pieces. Routing is not recorded (the
         driver refuses the aux loss and bias balancing with pp_size > 1)."""
         done = Backward(torch.zeros((), dtype=torch.float32, device=ctx.device))
         for micro in micro_batches:
-            done.loss_sum += self._micro_batch(ctx, micro, global_tokens)
+            loss_sum, stats = self._micro_batch(ctx, micro, divisor, policy)
+            done.add(loss_sum, stats)
         return done
 
-    def _micro_batch(self, ctx: RankContext, micro: MicroBatch, global_tokens: int) -> Tensor:
-        """Forward and backward of one micro-batch through the schedule; the summed token loss on ranks of the last
-        stage, 0 elsewhere (on the device)."""
-        documents = micro.document_ids
-        runtime = self._schedule(ctx, (micro.input_ids.shape[0], micro.input_ids.shape[1], documents is not None))
-        runtime.loss.global_tokens = global_tokens
+    def _micro_batch(
+        self, ctx: RankContext, micro: MicroBatch, divisor: float, policy: PolicyLoss | None
+    ) -> tuple[Tensor, Tensor | None]:
+        """Forward and backward of one micro-batch through the schedule: ``(loss_sum, stats)`` on ranks of the last
+        stage, ``(0, None)`` elsewhere (on the device)."""
+        documents, routes = micro.document_ids, micro.routes
+        shape = (micro.input_ids.shape[0], micro.input_ids.shape[1], documents is not None, routes is not None)
+        runtime = self._schedule(ctx, shape)
+        runtime.loss.divisor, runtime.loss.policy = divisor, policy
+        runtime.loss.fields, runtime.loss.stats = field_names(micro), None
         losses: list[Tensor] = []
         kwargs = {"document_ids_BS": to_device(documents, ctx.device)} if documents is not None else {}
+        if routes is not None:
+            kwargs["routes_BSLK"] = to_device(routes, ctx.device)
         args = (to_device(micro.input_ids, ctx.device),) if 0 in self.stage_ids else ()
+        target = to_device(pack_target(micro, policy), ctx.device)
         for part in self.parts:
             part.train()
         with vocab_parallel_loss(self.parts[-1]):
-            runtime.schedule.step(
-                *args, target=to_device(micro.labels, ctx.device), losses=losses, return_outputs=False, **kwargs
-            )
+            runtime.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         if not losses:  # not the last stage
-            return torch.zeros((), device=ctx.device)
-        return torch.stack([loss.detach().float() for loss in losses]).sum() * global_tokens
+            return torch.zeros((), device=ctx.device), None
+        return torch.stack([loss.detach().float() for loss in losses]).sum() * divisor, runtime.loss.stats
 
-    def _schedule(self, ctx: RankContext, shape: tuple[int, int, bool]) -> PipelineRuntime:
+    def _schedule(self, ctx: RankContext, shape: tuple[int, int, bool, bool]) -> PipelineRuntime:
         if self._runtime is not None and self._runtime.shape == shape:
             return self._runtime
         # Imported here, not at the top: torch.distributed.pipelining imports torch._dynamo (0.3 s, about 30 MiB),

@@ -25,11 +25,12 @@ from torch.distributed.tensor import DTensor
 
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.generation import Decoder
-from raymoe.models.common.loss import causal_lm_loss
 from raymoe.models.common.transfer import to_device
-from raymoe.parallel.vocab_parallel import vocab_parallel_loss, whole
+from raymoe.parallel.vocab_parallel import vocab_parallel_loss
 from raymoe.rank.balance import Routing, aux_loss, collect_routing
 from raymoe.rank.contract import MicroBatch
+from raymoe.rank.objective import micro_objective
+from raymoe.spec.policy import PolicyLoss
 
 if TYPE_CHECKING:
     from raymoe.rank.context import RankContext, Training
@@ -41,10 +42,18 @@ PartCall = Callable[[CausalLM, Tensor], Tensor]
 @dataclass
 class Backward:
     """What the forward/backward passes of a step's micro-batches leave: their summed token loss (float32 on the
-    rank's device, 0 on ranks that take no loss) and, where routing is recorded, each micro-batch's :class:`Routing`."""
+    rank's device, 0 on ranks that take no loss), a policy loss's summed statistics (:mod:`raymoe.rank.objective`;
+    None for cross-entropy and on ranks that take no loss) and, where routing is recorded, each micro-batch's
+    :class:`Routing`."""
 
     loss_sum: Tensor
     routings: list[Routing] = field(default_factory=list)
+    stats: Tensor | None = None
+
+    def add(self, loss_sum: Tensor, stats: Tensor | None) -> None:
+        self.loss_sum += loss_sum.detach().float()
+        if stats is not None:
+            self.stats = stats if self.stats is None else self.stats + stats
 
 
 class StageRunner(Protocol):
@@ -69,9 +78,15 @@ class StageRunner(Protocol):
         ...
 
     def backward(
-        self, ctx: RankContext, training: Training, micro_batches: Sequence[MicroBatch], global_tokens: int
+        self,
+        ctx: RankContext,
+        training: Training,
+        micro_batches: Sequence[MicroBatch],
+        divisor: float,
+        policy: PolicyLoss | None = None,
     ) -> Backward:
-        """Forward and backward of every micro-batch; gradients accumulate in the parts."""
+        """Forward and backward of every micro-batch (each loss divided by ``divisor``, the global normalizer;
+        ``policy``: a policy loss instead of cross-entropy); gradients accumulate in the parts."""
         ...
 
     def norm_group(self, ctx: RankContext) -> dist.ProcessGroup | None:
@@ -108,10 +123,15 @@ class WholeModel:
         return self.model
 
     def backward(
-        self, ctx: RankContext, training: Training, micro_batches: Sequence[MicroBatch], global_tokens: int
+        self,
+        ctx: RankContext,
+        training: Training,
+        micro_batches: Sequence[MicroBatch],
+        divisor: float,
+        policy: PolicyLoss | None = None,
     ) -> Backward:
-        """Each micro-batch's loss divided by the global batch's token count (plus its share of the aux loss), so the
-        accumulated gradients are those of the global mean loss.
+        """Each micro-batch's loss divided by ``divisor`` (the global batch's token count, or a policy loss's
+        normalizer; plus its share of the aux loss), so the accumulated gradients are those of the global loss.
 
         FSDP2 reduce-scatters each micro-batch's gradients as its backward ends, so they accumulate sharded (a
         rank never holds more than one unit's full gradients); with ``fsdp_defer_gradient_sync`` the full
@@ -125,16 +145,16 @@ class WholeModel:
             if defer_sync and isinstance(model, FSDPModule):
                 model.set_requires_gradient_sync(index == len(micro_batches) - 1)
             with vocab_parallel_loss(model):
-                micro_loss = micro_loss_sum(model, micro, ctx.device)
+                micro_loss, stats = micro_objective(model, micro, ctx.device, policy)
                 # FSDP2 sums the gradients over data-parallel ranks (raymoe.parallel.fsdp): one process's gradient.
-                objective = micro_loss / global_tokens
+                objective = micro_loss / divisor
                 real_T = to_device(micro.token_mask.reshape(-1), ctx.device)
                 routing = collect_routing(model, real_T, with_grad=trains_aux)
                 if routing is not None and trains_aux:
                     share = aux_loss(routing, ctx, per_layer=balance.aux_loss_per_layer) / len(micro_batches)
                     objective = objective + balance.aux_loss_coef * share
                 objective.backward()
-            done.loss_sum += micro_loss.detach().float()
+            done.add(micro_loss, stats)
             if routing is not None:
                 done.routings.append(routing)
         return done
@@ -144,20 +164,6 @@ class WholeModel:
 
     def gathered(self, ctx: RankContext, spec: LaunchSpec) -> tuple[CausalLM, Iterator[tuple[str, Tensor]]]:
         return self.model, full_parameters(self.model)
-
-
-def micro_loss_sum(model: nn.Module, micro: MicroBatch, device: torch.device) -> Tensor:
-    """The summed token loss of ``micro``'s rows (a float32 scalar), with the graph to back-propagate it.
-
-    No reference to the logits ``[B, S, V]`` outlives this call: the loss's graph keeps only their log-softmax,
-    so the logits are freed before backward instead of sitting beside their ``[B, S, V]`` gradients (one
-    vocabulary-wide tensor less at the step's peak; transformers' output keeps them).
-    """
-    documents = to_device(micro.document_ids, device) if micro.document_ids is not None else None
-    logits = model(to_device(micro.input_ids, device), document_ids_BS=documents)
-    loss: Tensor = whole(causal_lm_loss(logits, to_device(micro.labels, device), reduction="sum"))
-    del logits
-    return loss
 
 
 def full_parameters(model: nn.Module) -> Iterator[tuple[str, Tensor]]:

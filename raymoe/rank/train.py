@@ -13,6 +13,10 @@ loss of the global batch. With ``M`` micro-batches (gradient accumulation) the s
 micro-batches are unknown while earlier ones run backward, so the step's aux loss is the mean over
 micro-batches of each micro-batch's global aux loss (micro-batch ``i`` of every data-parallel rank
 together); with ``M = 1`` it is the global batch's, exactly transformers' value in one process.
+
+A policy loss (RL, :mod:`raymoe.spec.policy`) takes the same path with its own normalizer in place of the
+token count: the driver's, for the built-in losses; for a callable, the sum over the world of what each batch's
+callable returned, by which the accumulated gradients are divided before the norm (one all-reduce).
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from raymoe.parallel.grad_norm import clip_grads, grad_norm, sum_partial_grads
+from raymoe.parallel.sharding import local_tensor
 from raymoe.rank.balance import record_routing, routers, sum_over_batches, update_selection_bias
 from raymoe.rank.context import LoadedModel, RankContext, Training
 from raymoe.rank.contract import MicroBatch, StepResult
 from raymoe.rank.runner import Backward
 from raymoe.spec.balance import BalanceConfig
 from raymoe.spec.optimizer import OptimizerConfig
+from raymoe.spec.policy import PolicyLoss
 
 
 def configure_optimizer(ctx: RankContext, config: OptimizerConfig, balance: BalanceConfig | None = None) -> None:
@@ -67,25 +73,39 @@ def parameter_groups(loaded: LoadedModel) -> dict[str, list[nn.Parameter]]:
 
 
 def train_step(
-    ctx: RankContext, micro_batches: list[MicroBatch], global_tokens: int, lr: float | None = None
+    ctx: RankContext,
+    micro_batches: list[MicroBatch],
+    global_tokens: float,
+    lr: float | None = None,
+    policy: PolicyLoss | None = None,
 ) -> StepResult:
     """One optimizer step over this rank's rows of the global batch, given as micro-batches.
 
-    Every micro-batch's loss is divided by the token count of the whole global batch, so
-    accumulating their gradients gives the gradient of the global mean loss (the runner's
-    :meth:`~raymoe.rank.runner.StageRunner.backward`); then clipping by the global norm, AdamW
-    and, with bias balancing, the routers' selection biases.
+    Every micro-batch's loss is divided by ``global_tokens``, the token count (or a built-in policy loss's
+    normalizer) of the whole global batch, so accumulating their gradients gives the gradient of the global
+    loss (the runner's :meth:`~raymoe.rank.runner.StageRunner.backward`); then clipping by the global norm,
+    AdamW and, with bias balancing, the routers' selection biases.
     """
     loaded = ctx.require_model()
     training = loaded.require_training()
-    done = loaded.runner.backward(ctx, training, micro_batches, global_tokens)
-    norm = _optimizer_step(training, lr, across=loaded.runner.norm_group(ctx), device=ctx.device)
+    divisor = 1.0 if policy is not None and policy.is_callable else global_tokens
+    done = loaded.runner.backward(ctx, training, micro_batches, divisor, policy)
+    scale = _callable_scale(ctx, done) if policy is not None and policy.is_callable else None
+    norm = _optimizer_step(training, lr, across=loaded.runner.norm_group(ctx), device=ctx.device, scale=scale)
     routings = done.routings
     load_LE = torch.stack([r.load_LE for r in routings]).sum(dim=0) if routings else None
     bias_rate = training.balance.bias_update_rate
     if load_LE is not None and bias_rate is not None:
         update_selection_bias(loaded.model, sum_over_batches(load_LE.double(), ctx), bias_rate)
     return _step_result(done, norm, answers=ctx.answers_for_batch)
+
+
+def _callable_scale(ctx: RankContext, done: Backward) -> Tensor:
+    """``1 / N``, ``N`` the sum over the world of each batch's normalizer (its answering rank's; others add 0)."""
+    mine = done.stats[0] if done.stats is not None and ctx.answers_for_batch else None
+    total = mine.clone() if mine is not None else torch.zeros((), dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(total)
+    return 1.0 / total
 
 
 def _step_result(done: Backward, norm: Tensor, *, answers: bool) -> StepResult:
@@ -100,29 +120,43 @@ def _step_result(done: Backward, norm: Tensor, *, answers: bool) -> StepResult:
             torch.stack([r.dropped_L for r in routings]).sum(dim=0).double(),
             torch.stack([r.aux_stats() for r in routings]).reshape(-1),
         ]
+    policy = done.stats if answers else None
+    if policy is not None:
+        parts.append(policy.double())
     host = torch.cat(parts).cpu()
     loss_sum, grad_norm_value = float(host[0]), float(host[1])
+    policy_stats = tuple(host[-policy.numel() :].tolist()) if policy is not None else None
     if not routings:
-        return StepResult(loss_sum=loss_sum if answers else 0.0, grad_norm=grad_norm_value)
+        return StepResult(loss_sum=loss_sum if answers else 0.0, grad_norm=grad_norm_value, policy_stats=policy_stats)
     layers, experts = routings[0].load_LE.shape
     sizes = [layers * experts, layers, len(routings) * (2 * layers * experts + 1)]
-    load, dropped, stats = host[2:].split(sizes)
+    load, dropped, stats = host[2 : 2 + sum(sizes)].split(sizes)
     return StepResult(
         loss_sum=loss_sum,
         grad_norm=grad_norm_value,
         expert_load=load.view(layers, experts).long(),
         dropped_pairs=dropped.long(),
         aux_stats=stats.view(len(routings), -1),
+        policy_stats=policy_stats,
     )
 
 
 def _optimizer_step(
-    training: Training, lr: float | None, across: dist.ProcessGroup | None = None, device: torch.device | None = None
+    training: Training,
+    lr: float | None,
+    across: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
+    scale: Tensor | None = None,
 ) -> Tensor:
-    """Clip by the global gradient norm (summed ``across`` the pipeline stages), step AdamW, clear the gradients;
-    returns the norm before clipping."""
+    """Scale the gradients by ``scale`` (a callable policy loss's ``1 / N``), clip by the global gradient norm
+    (summed ``across`` the pipeline stages), step AdamW, clear the gradients; returns the norm before clipping."""
     optimizer, config = training.optimizer, training.config
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if scale is not None:
+        for param in params:
+            assert param.grad is not None
+            local = local_tensor(param.grad)
+            local.mul_(scale.to(local.dtype))
     sum_partial_grads(params)
     norm = grad_norm(params, across=across, device=device)
     if config.max_grad_norm is not None:

@@ -195,6 +195,11 @@ class ModelConfig:
     def layer_is_sparse(self, layer_idx: int) -> bool:
         return self.moe is not None and self.moe.is_sparse(layer_idx)
 
+    def sparse_slots(self) -> dict[int, int]:
+        """Each sparse layer's index -> its slot ``j`` among the sparse layers (the ``L_moe`` axis of routes)."""
+        sparse = [i for i in range(self.num_hidden_layers) if self.layer_is_sparse(i)]
+        return {layer: slot for slot, layer in enumerate(sparse)}
+
     @property
     def rope_dim(self) -> int:
         """Channels of a head that RoPE rotates: MLA's rope part, a partial rotary share, or the whole head."""

@@ -53,10 +53,14 @@ class DecoderLayer(nn.Module):
         start: int = 0,
         key_mask_BL: Tensor | None = None,
         documents: PackedDocuments | None = None,
+        routes_BSK: Tensor | None = None,
     ) -> Tensor:
+        """``routes [B, S, K]``: replayed expert ids for a sparse layer's router (None: its own choice)."""
         attn_in_BSH = self.input_layernorm(x_BSH)
         h_BSH = x_BSH + self.self_attn(attn_in_BSH, cos_SD, sin_SD, cache, start, key_mask_BL, documents)
-        out_BSH: Tensor = h_BSH + self.mlp(self.post_attention_layernorm(h_BSH))
+        mlp_in_BSH = self.post_attention_layernorm(h_BSH)
+        mlp_BSH = self.mlp(mlp_in_BSH) if routes_BSK is None else self.mlp(mlp_in_BSH, routes_BSK)
+        out_BSH: Tensor = h_BSH + mlp_BSH
         return out_BSH
 
 
@@ -91,6 +95,7 @@ class DecoderModel(nn.Module):
         cache: KVCache | None = None,
         attention_mask_BS: Tensor | None = None,
         document_ids_BS: Tensor | None = None,
+        routes_BSLK: Tensor | None = None,
     ) -> Tensor:
         """With ``cache``, the tokens continue the cached ones: positions start at ``cache.length``.
         Without an embedding (a later part of the model) ``input_ids`` are the hidden states ``[B, S, H]``.
@@ -100,7 +105,8 @@ class DecoderModel(nn.Module):
         ``document_ids [B, S]`` packs several documents into a row (:mod:`raymoe.models.common.packing`):
         positions restart at each document and attention stays inside it, so each document's hidden states
         are those it would have alone. Padding is then a document of its own, or at a row's end (where no real
-        token sees it): ``attention_mask`` is not read.
+        token sees it): ``attention_mask`` is not read. ``routes [B, S, L_moe, K]``: replayed expert ids, slot
+        ``j`` for the model's ``j``-th sparse layer (of the whole model, also in a part that runs some layers).
         """
         start = cache.length if cache is not None else 0
         x_BSH = self.embed_tokens(input_ids_BS) if self.embed_tokens is not None else input_ids_BS
@@ -114,9 +120,11 @@ class DecoderModel(nn.Module):
         else:
             positions, key_mask_BL = _positions(x_BSH.shape[:2], x_BSH.device, cache, attention_mask_BS, start)
         cos_SD, sin_SD = rope_cos_sin(self.config.rope, self.config.rope_dim, positions, x_BSH.dtype)
+        slots = self.config.sparse_slots() if routes_BSLK is not None else {}
         for i, layer in enumerate(self.layers):
             layer_cache = cache.layers[i] if cache is not None else None
-            x_BSH = layer(x_BSH, cos_SD, sin_SD, layer_cache, start, key_mask_BL, documents)
+            routes_BSK = routes_BSLK[:, :, slots[i]] if routes_BSLK is not None and i in slots else None
+            x_BSH = layer(x_BSH, cos_SD, sin_SD, layer_cache, start, key_mask_BL, documents, routes_BSK)
         if cache is not None:
             cache.advance(x_BSH.shape[1])
         if self.norm is None:
@@ -188,11 +196,13 @@ class CausalLM(nn.Module, ABC):
         attention_mask_BS: Tensor | None = None,
         positions_B: Tensor | None = None,
         document_ids_BS: Tensor | None = None,
+        routes_BSLK: Tensor | None = None,
     ) -> Tensor:
         """``logits [B, S, V]``; with ``positions_B``, only row ``b``'s position ``positions_B[b]``: ``[B, V]``
         (the head never sees the other positions). One call through the root module, as FSDP2 requires.
-        ``document_ids [B, S]``: packed rows, each document attending only to itself (:mod:`.packing`)."""
-        hidden_BSH: Tensor = self.model(input_ids_BS, cache, attention_mask_BS, document_ids_BS)
+        ``document_ids [B, S]``: packed rows, each document attending only to itself (:mod:`.packing`).
+        ``routes [B, S, L_moe, K]``: replayed expert ids of every sparse layer (:mod:`raymoe.models.moe.replay`)."""
+        hidden_BSH: Tensor = self.model(input_ids_BS, cache, attention_mask_BS, document_ids_BS, routes_BSLK)
         if self.lm_head is None:  # a part of the model before the head: its hidden states go on to the next part
             return hidden_BSH
         if positions_B is not None:
@@ -228,7 +238,7 @@ class CausalLM(nn.Module, ABC):
 
     def sparse_layers(self) -> list[int]:
         """Indices of the layers whose feed-forward routes through experts."""
-        return [i for i in range(self.config.num_hidden_layers) if self.config.layer_is_sparse(i)]
+        return list(self.config.sparse_slots())
 
     @property
     def supports_tp_plan(self) -> bool:

@@ -132,7 +132,9 @@ class Generation:
         sampling: SamplingConfig | None = None,
         stop: StopRules | None = None,
         row_ids: Sequence[int] | None = None,
+        spare_positions: int = 0,
     ) -> None:
+        """``spare_positions``: KV-cache room for forwards after the last step (:meth:`feed_newest`)."""
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         self.model = model
@@ -140,7 +142,7 @@ class Generation:
         self.stop = stop or StopRules()
         self.max_new_tokens = max_new_tokens
         batch, self.prompt_length = input_ids_BS.shape
-        self.cache = model.new_cache(self.prompt_length + max_new_tokens)
+        self.cache = model.new_cache(self.prompt_length + max_new_tokens + spare_positions)
         self.device = device = input_ids_BS.device
         self.row_ids = list(row_ids) if row_ids is not None else list(range(batch))
         self.finished_B = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -180,6 +182,16 @@ class Generation:
         self.finished_B |= stopped_B
         self._pending = (next_B[:, None], None)
         return next_B
+
+    def feed_newest(self) -> None:
+        """Run the model once more on the tokens not yet fed (the newest ones, or the prompts before any step),
+        without picking a next token: what leaves every token's routes (router replay). Needs a spare position."""
+        if self._pending is None:
+            raise RuntimeError("feed_newest: every token was already fed to the model")
+        input_BS, mask_BS = self._pending
+        last_B = self._prompt_last_B if self.steps == 0 else self._newest_B
+        self.model(input_BS, self.cache, mask_BS, last_B)
+        self._pending = None
 
     def _uniform(self) -> Tensor:
         """``[B]`` this step's number of each row on the device, from ``(seed, global row, step)`` alone."""

@@ -48,11 +48,13 @@ class SparseMoeBlock(nn.Module):
             self.add_module(shared_name, FeedForward(hidden_size, moe.shared_expert_intermediate_size))
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if moe.shared_expert_gate else None
 
-    def forward(self, x_BSH: Tensor) -> Tensor:
+    def forward(self, x_BSH: Tensor, routes_BSK: Tensor | None = None) -> Tensor:
+        """``routes [B, S, K]`` (global expert ids): replayed routes the router uses instead of its own choice."""
         hidden_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
         # Each row of the batch is one sequence: the unit of the router's capacity limit.
         router = getattr(self, self.router_name)
-        topk_ids_TK, topk_weights_TK, _ = router(hidden_TH, sequence_length=x_BSH.shape[1])
+        forced_TK = routes_BSK.reshape(hidden_TH.shape[0], -1) if routes_BSK is not None else None
+        topk_ids_TK, topk_weights_TK, _ = router(hidden_TH, sequence_length=x_BSH.shape[1], forced_TK=forced_TK)
         out_TH: Tensor = self.experts(hidden_TH, topk_ids_TK, topk_weights_TK)
         if self.shared_name is not None:
             shared_TH = getattr(self, self.shared_name)(hidden_TH)

@@ -18,6 +18,11 @@ sequence (the capacity unit), ``G`` expert groups.
 
 While ``record`` is on, the last training-mode forward's :class:`RoutingRecord` is kept for load
 statistics, the auxiliary loss and bias balancing (:mod:`raymoe.models.moe.balance`).
+
+Router replay (RL: :mod:`raymoe.models.moe.replay`): ``forced_TK`` given to the forward replaces the top-K
+choice by those global ids; the weights are still the current probs at them, normalised and scaled as above
+(so the router keeps learning), and no capacity limit drops a replayed pair. While ``keep_routes`` is on,
+every forward (training or not) leaves the ids it used in ``kept_routes_TK``.
 """
 
 from __future__ import annotations
@@ -112,16 +117,22 @@ class TopKRouter(nn.Module):
         self.record = False
         self.capacity_factor: float | None = None
         self.last_routing: RoutingRecord | None = None
+        # Router replay: keep the ids of each forward (any mode) for the caller to take.
+        self.keep_routes = False
+        self.kept_routes_TK: Tensor | None = None
 
     @property
     def has_selection_bias(self) -> bool:
         return self.e_score_correction_bias is not None
 
-    def forward(self, hidden_TH: Tensor, sequence_length: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(
+        self, hidden_TH: Tensor, sequence_length: int | None = None, forced_TK: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """``hidden: [T, H]`` -> ``(topk_ids [T, K] int64, topk_weights [T, K] in hidden's dtype, logits [T, E])``.
 
         ``sequence_length`` (``S``, with ``T = B * S``) is the capacity unit; without it a capacity
-        factor cannot apply and the whole of ``T`` counts as one sequence.
+        factor cannot apply and the whole of ``T`` counts as one sequence. ``forced_TK`` (global ids,
+        any integer dtype): replayed routes, used instead of the top-K choice.
         """
         if self.scoring == "sigmoid":
             bias = self.bias.float() if self.bias is not None else None
@@ -130,14 +141,19 @@ class TopKRouter(nn.Module):
         else:
             logits_TE = F.linear(hidden_TH, self.weight, self.bias)
             probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
-        if self.e_score_correction_bias is None and self.n_group == 1:
+        if forced_TK is not None:
+            topk_ids_TK = forced_TK.to(torch.int64)
+            topk_weights_TK = probs_TE.gather(-1, topk_ids_TK)
+        elif self.e_score_correction_bias is None and self.n_group == 1:
             topk_weights_TK, topk_ids_TK = torch.topk(probs_TE, self.top_k, dim=-1)
         else:
             _, topk_ids_TK = torch.topk(self._choice_scores(probs_TE), self.top_k, dim=-1)
             topk_weights_TK = probs_TE.gather(-1, topk_ids_TK)
         chosen_TK = topk_ids_TK
         dropped_TK = None
-        if self.training and self.capacity_factor is not None:
+        if self.keep_routes:
+            self.kept_routes_TK = chosen_TK.detach()
+        if self.training and self.capacity_factor is not None and forced_TK is None:
             length = sequence_length or hidden_TH.shape[0]
             dropped_TK = over_capacity(chosen_TK, topk_weights_TK, length, self.num_experts, self.capacity_factor)
             topk_ids_TK = torch.where(dropped_TK, chosen_TK - self.num_experts, chosen_TK)  # < 0: skip the expert
