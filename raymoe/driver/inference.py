@@ -81,6 +81,20 @@ class Decoding:
         return [(i, m, rows, self.request) for i, m, rows in zip(ids, masks, self.split.rows, strict=True)]
 
 
+def check_forward_batch(
+    config: ModelConfig, input_ids: object, attention_mask: object | None, document_ids: object | None
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """A forward pass's ``(ids [B, S], mask or None, documents or None)`` checked on the driver: padding on either
+    side (only trailing with packed rows, which read no padding mask), within the model's positions."""
+    ids = check_input_ids(input_ids, config.vocab_size)
+    mask = check_attention_mask(attention_mask, ids) if attention_mask is not None else None
+    documents = check_document_ids(document_ids, ids) if document_ids is not None else None
+    if documents is not None and mask is not None:
+        check_right_padded(mask)
+    check_sequence_length(ids.shape[1], config.max_position_embeddings)
+    return ids, mask, documents
+
+
 class Inference:
     """Forward passes of one loaded model: ``config`` checks the inputs, ``fanout`` reaches the ranks."""
 
@@ -92,12 +106,7 @@ class Inference:
     ) -> Tensor:
         if return_logits not in ("all", "last"):
             raise ValueError(f"return_logits={return_logits!r}: choose 'all' or 'last'")
-        ids = check_input_ids(input_ids, self.config.vocab_size)
-        mask = check_attention_mask(attention_mask, ids) if attention_mask is not None else None
-        documents = check_document_ids(document_ids, ids) if document_ids is not None else None
-        if documents is not None and mask is not None:
-            check_right_padded(mask)  # packed rows read no padding mask: padding may only trail a row
-        check_sequence_length(ids.shape[1], self.config.max_position_embeddings)
+        ids, mask, documents = check_forward_batch(self.config, input_ids, attention_mask, document_ids)
         split = split_rows(ids.shape[0], self.fanout.topology.config.dp_size)
         parts = (split.take(part) for part in (ids, mask, documents))
         args = [(i, m, return_logits == "last", d) for i, m, d in zip(*parts, strict=True)]

@@ -16,14 +16,10 @@ import torch
 from torch import Tensor
 
 from raymoe.driver.batch import (
-    check_document_ids,
-    check_input_ids,
-    check_right_padded,
-    check_sequence_length,
     document_starts,
 )
 from raymoe.driver.fanout import FanOut, split_rows
-from raymoe.driver.prompts import check_attention_mask
+from raymoe.driver.inference import check_forward_batch
 from raymoe.driver.routes import check_routes
 from raymoe.models.common.config import ModelConfig
 from raymoe.rank.contract import LogprobRequest
@@ -75,12 +71,7 @@ class Logprobs:
         return_routes: bool,
         routes: object | None,
     ) -> TokenLogprobs:
-        ids = check_input_ids(input_ids, self.config.vocab_size)
-        mask = check_attention_mask(attention_mask, ids) if attention_mask is not None else None
-        documents = check_document_ids(document_ids, ids) if document_ids is not None else None
-        if documents is not None and mask is not None:
-            check_right_padded(mask)  # packed rows read no padding mask: padding may only trail a row
-        check_sequence_length(ids.shape[1], self.config.max_position_embeddings)
+        ids, mask, documents = check_forward_batch(self.config, input_ids, attention_mask, document_ids)
         replay = check_routes(routes, self.config, ids, "logprobs") if routes is not None else None
         if return_routes and self.config.moe is None:
             raise ValueError(f"logprobs: return_routed_experts=True: {self.config.model_type} is a dense model")
