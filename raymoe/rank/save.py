@@ -24,7 +24,7 @@ from torch import Tensor
 from raymoe.checkpoint.model_io import save_model
 from raymoe.models.common.lora import merge_stream
 from raymoe.models.moe.packed import packed_companions, unpacked_stream
-from raymoe.rank.context import RankContext
+from raymoe.rank.context import LoadedModel, RankContext
 from raymoe.rank.contract import SaveResult
 
 
@@ -37,12 +37,8 @@ def save_gathered(ctx: RankContext, directory: str, max_shard_size: int) -> Save
     holds a stage sends them on to rank 0, which writes the whole model as one checkpoint.
     """
     loaded = ctx.require_model()
-    model, tensors = loaded.runner.gathered(ctx, loaded.spec)
-    packed = {blocks: pair for part in loaded.parts for blocks, pair in packed_companions(part).items()}
-    if packed:  # experts kept in MXFP4: written dequantized, in the compute dtype (bf16 for gpt-oss), then merged
-        tensors = unpacked_stream(tensors, packed, loaded.precision.compute)
-    if loaded.spec.lora is not None:
-        tensors = merge_stream(tensors, loaded.spec.lora.targets)  # the adapted model's hub checkpoint: W + s B A
+    model, gathered = loaded.runner.gathered(ctx, loaded.spec)
+    tensors = as_saved(loaded, gathered)
     if ctx.rank != 0:
         _join_remaining(tensors)
         return SaveResult()
@@ -55,6 +51,17 @@ def save_gathered(ctx: RankContext, directory: str, max_shard_size: int) -> Save
         cause = str(error) if isinstance(error, OSError) else f"{type(error).__name__}: {error}"
         return SaveResult(error=cause, errno=error.errno if isinstance(error, OSError) else None)
     return SaveResult(files=tuple(str(path) for path in files))
+
+
+def as_saved(loaded: LoadedModel, tensors: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    """``(parameter name, full tensor)`` as ``save_pretrained`` writes the model: packed MXFP4 experts dequantized
+    (into the compute dtype), LoRA factors merged into their bases (``W + s B A``)."""
+    packed = {blocks: pair for part in loaded.parts for blocks, pair in packed_companions(part).items()}
+    if packed:
+        tensors = unpacked_stream(tensors, packed, loaded.precision.compute)
+    if loaded.spec.lora is not None:
+        tensors = merge_stream(tensors, loaded.spec.lora.targets)
+    return tensors
 
 
 def _join_remaining(tensors: Iterator[tuple[str, Tensor]]) -> None:

@@ -4,7 +4,7 @@ Every rank walks the whole model's parameters in one order (the names of the mod
 gathering each one it holds a shard of (``full_tensor``: a collective of the ranks holding it) and, under pipeline
 parallelism, sending rank 0 what rank 0's stage lacks (the rank at rank 0's place in the stage that holds it, over
 the pp group, as ``PipelineStages.gathered`` does). Rank 0 turns the full tensors into exactly the hub tensors
-``save_pretrained`` writes (:func:`as_saved`: MXFP4 experts dequantized, LoRA merged; then
+``save_pretrained`` writes (:func:`raymoe.rank.save.as_saved`: MXFP4 experts dequantized, LoRA merged; then
 :func:`~raymoe.checkpoint.model_io.hub_tensors`: cast, fused experts split) and fills buckets of CPU copies.
 
 Only rank 0 sees where a bucket ends (its bytes), so before each parameter it broadcasts "go" (one element over
@@ -37,10 +37,9 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from raymoe.checkpoint.model_io import hub_tensors
-from raymoe.models.common.lora import merge_stream
-from raymoe.models.moe.packed import packed_companions, unpacked_stream
 from raymoe.rank.context import LoadedModel, RankContext
 from raymoe.rank.contract import PushAnswer
+from raymoe.rank.save import as_saved
 from raymoe.spec.topology import Axis
 
 Bucket = list[tuple[str, Tensor]]  # (hub name, full CPU tensor), in the order save_pretrained writes them
@@ -207,17 +206,6 @@ class ParameterWalk:
                 assert full is not None
                 dist.send(full.contiguous(), group=self.group, group_dst=0)
         return name, full if ctx.rank == 0 else None
-
-
-def as_saved(loaded: LoadedModel, tensors: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
-    """``(parameter name, full tensor)`` as ``save_pretrained`` writes the model: packed MXFP4 experts dequantized
-    (into the compute dtype), LoRA factors merged into their bases (``W + s B A``)."""
-    packed = {blocks: pair for part in loaded.parts for blocks, pair in packed_companions(part).items()}
-    if packed:
-        tensors = unpacked_stream(tensors, packed, loaded.precision.compute)
-    if loaded.spec.lora is not None:
-        tensors = merge_stream(tensors, loaded.spec.lora.targets)
-    return tensors
 
 
 def buckets_of(tensors: Iterator[tuple[str, Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
