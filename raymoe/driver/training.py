@@ -104,6 +104,7 @@ class TrainingSession:
         """The checked global batch of a step or an evaluation (labels, padding and packing folded in)."""
         batch = make_global_batch(input_ids, labels, attention_mask, self.config.vocab_size, document_ids)
         check_sequence_length(batch.input_ids.shape[1], self.config.max_position_embeddings)
+        self.fanout.topology.config.check_sequence_length(batch.input_ids.shape[1])
         if batch.num_label_tokens == 0:
             raise ValueError("the batch has no label tokens (all labels are -100 or masked)")
         return batch
@@ -121,6 +122,12 @@ class TrainingSession:
         optimizer = self.require_optimizer("train_step")
         if lr is not None:
             check_lr(lr)
+        if policy is not None and policy.policy.is_callable and self.fanout.topology.config.splits_sequences:
+            raise ValueError(
+                "train_step: loss=callable gets whole rows of log-probs, but cp_size="
+                f"{self.fanout.topology.config.cp_size} splits every row over ranks; use a built-in loss "
+                "('importance_sampling', 'ppo') or a layout with cp_size=1"
+            )
         if policy is not None and policy.policy.is_callable and self.balance.aux_loss_coef > 0:
             raise ValueError(
                 "train_step: loss=callable divides the step's gradients by its normalizer after the backward, which "

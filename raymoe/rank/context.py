@@ -8,7 +8,9 @@ outlives the models loaded on it: each load sets the layout it was resolved for
 
 Two meshes over the same ranks, named as in :mod:`raymoe.spec.topology`::
 
-    dense  (dp_replicate, pp, fsdp,  tp)     ctx.mesh("tp"), ctx.mesh("fsdp"), ctx.mesh("dp_replicate"), ctx.mesh("pp")
+    dense  (dp_replicate, pp, fsdp, cp, tp)  ctx.mesh("tp"), ctx.mesh("cp"), ctx.mesh("fsdp"), ctx.mesh("dp_replicate"),
+                                             ctx.mesh("pp"); with cp_size > 1 also fsdp and cp flattened ("fsdp_cp"),
+                                             the ranks FSDP2 shards dense parameters over
     expert (dp_replicate, pp, efsdp, ep)     ctx.mesh("ep"), ctx.mesh("efsdp")
 
 Device binding (:func:`choose_binding`, pure): gloo runs on the CPU; NCCL binds the one GPU this process sees and
@@ -34,13 +36,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.generation import Generation
+from raymoe.parallel.context_parallel.split import ContextSplit
 from raymoe.rank.contract import DEFAULT_COLLECTIVE_TIMEOUT_S, Backend, Rendezvous
 from raymoe.rank.progress import FLIGHT_RECORDER_ENTRIES
 from raymoe.spec.balance import BalanceConfig
 from raymoe.spec.launch import LaunchSpec
 from raymoe.spec.optimizer import OptimizerConfig
 from raymoe.spec.precision import PrecisionPolicy
-from raymoe.spec.topology import DENSE_AXES, EXPERT_AXES, Axis, RankCoords, Topology
+from raymoe.spec.topology import DENSE_AXES, EXPERT_AXES, FSDP_CP, Axis, RankCoords, Topology
 
 if TYPE_CHECKING:
     from raymoe.rank.runner import StageRunner
@@ -90,6 +93,7 @@ class LoadedModel:
     generation: Generation | None = None  # a stream in progress (raymoe.rank.infer)
     pending_save: PendingSave | None = None  # an asynchronous save_state still writing (raymoe.rank.state)
     weight_stream: WeightStream | None = None  # hub weights streamed bucket by bucket (raymoe.rank.weight_stream)
+    sequence_split: ContextSplit | None = None  # cp_size > 1: the share of every row this rank's forwards run on
 
     @property
     def parts(self) -> tuple[CausalLM, ...]:
@@ -171,12 +175,14 @@ class RankContext:
         return self._require_layout().sub_mesh(parent, (axis.value,))
 
     def data_parallel_mesh(self, shard_axis: Axis) -> DeviceMesh:
-        """FSDP2's mesh for ``shard_axis`` (fsdp or efsdp): with ``dp_replicate`` in front for HSDP."""
+        """FSDP2's mesh for ``shard_axis`` (fsdp or efsdp): with ``dp_replicate`` in front for HSDP. Dense parameters
+        shard over fsdp and cp together (the flattened ``fsdp_cp`` axis) when sequences are split."""
         parent = self.dense_mesh if shard_axis == Axis.FSDP else self.expert_mesh
         layout = self._require_layout()
+        shard = FSDP_CP if shard_axis == Axis.FSDP and self.topology.axis_size(Axis.CP) > 1 else shard_axis.value
         if self.topology.axis_size(Axis.DP_REPLICATE) > 1:
-            return layout.sub_mesh(parent, (Axis.DP_REPLICATE.value, shard_axis.value))
-        return layout.sub_mesh(parent, (shard_axis.value,))
+            return layout.sub_mesh(parent, (Axis.DP_REPLICATE.value, shard))
+        return layout.sub_mesh(parent, (shard,))
 
     @property
     def answers_for_batch(self) -> bool:
@@ -289,8 +295,9 @@ def build_meshes(
 ) -> tuple[DeviceMesh, DeviceMesh]:
     """The dense and expert DeviceMeshes; every rank must call this (it creates process groups).
 
-    Every sub-mesh group (tp, fsdp, ep, efsdp, dp_replicate) gets the world's collective timeout (NCCL's with its
-    margin, :func:`backend_timeout_s`): left to torch, they would wait 30 minutes in a collective a rank never reaches.
+    Every sub-mesh group (tp, cp, fsdp, fsdp_cp, ep, efsdp, dp_replicate) gets the world's collective timeout (NCCL's
+    with its margin, :func:`backend_timeout_s`): left to torch, they would wait 30 minutes in a collective a rank never
+    reaches.
     """
     ranks = torch.arange(topology.world_size)
     dense = DeviceMesh(
@@ -299,6 +306,9 @@ def build_meshes(
         mesh_dim_names=tuple(axis.value for axis in DENSE_AXES),
         backend_override=mesh_backend_overrides(backend, len(DENSE_AXES), timeout_s),
     )
+    if topology.axis_size(Axis.CP) > 1:  # FSDP2's dense shard group: fsdp and cp, adjacent in the dense view
+        (flat_override,) = mesh_backend_overrides(backend, 1, timeout_s)
+        dense[Axis.FSDP.value, Axis.CP.value]._flatten(FSDP_CP, backend_override=flat_override)
     expert = DeviceMesh(
         device_type,
         ranks.reshape(topology.mesh_shape(EXPERT_AXES)),

@@ -10,12 +10,14 @@ import torch
 from torch import Tensor
 
 from raymoe.models.common.decoder import CausalLM
-from raymoe.models.common.loss import causal_lm_loss
+from raymoe.models.common.loss import token_loss
 from raymoe.models.common.transfer import to_device
+from raymoe.parallel.context_parallel.split import split_sequences
 from raymoe.parallel.fsdp import reshard
 from raymoe.parallel.vocab_parallel import vocab_parallel_loss, whole
 from raymoe.rank.context import RankContext
 from raymoe.rank.contract import MicroBatch
+from raymoe.rank.objective import micro_target
 
 
 @torch.no_grad()
@@ -24,9 +26,11 @@ def eval_loss(ctx: RankContext, micro_batches: list[MicroBatch]) -> float:
     ``document_ids`` for packed rows); 0 on ranks that hold no last pipeline stage.
 
     Every rank runs every micro-batch (the forward's collectives need all of them); rows whose
-    labels are all ignored add 0.
+    labels are all ignored add 0. Under context parallelism each rank sums its share of the tokens and the shares
+    are added over the cp group.
     """
     loaded = ctx.require_model()
+    split = loaded.sequence_split
     for part in loaded.parts:
         part.eval()
     loss_sum = torch.zeros((), dtype=torch.float32, device=ctx.device)
@@ -37,12 +41,14 @@ def eval_loss(ctx: RankContext, micro_batches: list[MicroBatch]) -> float:
             out: Tensor = part(inputs, document_ids_BS=documents)
             return out
 
-        with vocab_parallel_loss(loaded.parts[-1]):
+        with vocab_parallel_loss(loaded.parts[-1]), split_sequences(loaded.parts, split):
             logits = loaded.runner.forward(ctx, micro.input_ids, run)
             if logits is not None:
-                labels = to_device(micro.labels, ctx.device)
-                loss_sum += whole(causal_lm_loss(logits, labels, reduction="sum")).float()
+                targets = to_device(micro_target(micro, None, split), ctx.device)
+                loss_sum += whole(token_loss(logits, targets, reduction="sum")).float()
     # FSDP units keep their gathered weights after a no-grad forward; a later train step must not use them.
     for part in loaded.parts:
         reshard(part)
+    if split is not None:
+        split.sum(loss_sum)
     return float(loss_sum.cpu())  # the evaluation's one wait for the device

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.generation import Generation
 from raymoe.models.common.transfer import to_device
+from raymoe.parallel.context_parallel.split import split_for_inference, split_sequences
 from raymoe.parallel.fsdp import keep_unsharded, release_unsharded, reshard
 from raymoe.rank.context import RankContext
 from raymoe.rank.contract import DecodeRequest
@@ -37,11 +38,16 @@ def forward_logits(
     document_ids_BS: Tensor | None = None,
 ) -> Tensor | None:
     """``logits [B_local, S, V]`` (``[B_local, V]`` at each row's last real token with ``last_only``) on CPU,
-    from the first rank of each tp group; None elsewhere (same rows). ``document_ids``: packed rows."""
+    from the answering rank of each batch; None elsewhere (same rows). ``document_ids``: packed rows.
+
+    Under context parallelism each cp rank computes its share of the rows' logits and they are gathered on the
+    answering rank; a forward that cannot be split (``last_only``, a padding mask, a length that does not cut into
+    ``2 * cp_size`` chunks) runs on the whole rows on every cp rank."""
     loaded = ctx.require_model()
     mask = to_device(attention_mask_BS, ctx.device) if attention_mask_BS is not None else None
     documents = to_device(document_ids_BS, ctx.device) if document_ids_BS is not None else None
     last_B = to_device(_last_real(input_ids_BS, attention_mask_BS), ctx.device) if last_only else None
+    split = split_for_inference(loaded.sequence_split, input_ids_BS.shape[1], mask is not None or last_only)
     for part in loaded.parts:
         part.eval()
 
@@ -49,14 +55,19 @@ def forward_logits(
         out: Tensor = part(inputs, None, mask, last_B, documents)
         return out
 
-    logits = loaded.runner.forward(ctx, input_ids_BS, run)
+    with split_sequences(loaded.parts, split):
+        logits = loaded.runner.forward(ctx, input_ids_BS, run)
     for part in loaded.parts:
         reshard(part)
     if logits is None:
         return None
     if isinstance(logits, DTensor):
         logits = logits.full_tensor()
-    return logits.cpu() if ctx.answers_for_batch else None
+    if split is not None:
+        if ctx.coords.tp > 0:  # its tp group's first rank's cp group gathers the same logits
+            return None
+        logits = split.gather_to_first(logits)
+    return logits.cpu() if ctx.answers_for_batch and logits is not None else None
 
 
 def _last_real(input_ids_BS: Tensor, attention_mask_BS: Tensor | None) -> Tensor:

@@ -26,6 +26,7 @@ from raymoe.models.common.shard_hints import FLOAT32_ATTR, float32_modules
 from raymoe.models.moe.packed import packed_companions
 from raymoe.parallel.activation_checkpoint import apply_activation_checkpointing
 from raymoe.parallel.apply import apply_rules
+from raymoe.parallel.context_parallel.split import ContextSplit
 from raymoe.parallel.fsdp import FsdpUnits, apply_fsdp
 from raymoe.parallel.packed_experts import pack_experts
 from raymoe.parallel.pipeline import paths_held, rules_held
@@ -69,7 +70,7 @@ def load_shards(ctx: RankContext, spec: LaunchSpec) -> LoadReport:
             bytes_read += _read_shards(part, reader)
             if spec.lora is not None:
                 fill_adapters(part, spec.lora)
-    ctx.loaded = LoadedModel(runner, spec, policy)
+    ctx.loaded = LoadedModel(runner, spec, policy, sequence_split=sequence_split(ctx, spec))
     trainable = [local_tensor(p) for part in runner.parts for p in part.parameters() if p.requires_grad]
     frozen = [local_tensor(p) for part in runner.parts for p in part.parameters() if not p.requires_grad]
     return LoadReport(
@@ -81,6 +82,12 @@ def load_shards(ctx: RankContext, spec: LaunchSpec) -> LoadReport:
         trainable_bytes=sum(t.numel() * t.element_size() for t in trainable),
         frozen_params=sum(t.numel() for t in frozen),
     )
+
+
+def sequence_split(ctx: RankContext, spec: LaunchSpec) -> ContextSplit | None:
+    """The share of every row this rank runs on under context parallelism (None without it)."""
+    config = spec.topology.config
+    return ContextSplit(ctx.mesh(Axis.CP), config.cp_mode) if config.splits_sequences else None
 
 
 def hold_in(model: CausalLM, policy: PrecisionPolicy, lora: LoraSpec | None = None) -> None:
@@ -161,10 +168,12 @@ def shard_on_meta(
 
 
 def uses_fsdp(config: DistributedConfig, policy: PrecisionPolicy | None = None) -> bool:
-    """FSDP2 wraps the model when there is data parallelism, expert parallelism (experts are always
+    """FSDP2 wraps the model when there is data parallelism, context parallelism (each cp rank's gradient covers its
+    share of the tokens: FSDP2 shards over fsdp x cp and sums them), expert parallelism (experts are always
     wrapped) or something only FSDP honours: a mixed precision policy (its compute casts), CPU offload."""
     mixed = policy is not None and policy.mixed
-    return config.dp_size > 1 or (config.ep_size or 1) > 1 or mixed or config.fsdp_cpu_offload
+    sharded = config.dp_size > 1 or config.splits_sequences or (config.ep_size or 1) > 1
+    return sharded or mixed or config.fsdp_cpu_offload
 
 
 def ep_styles(styles: Mapping[str, ParallelStyle], ctx: RankContext) -> dict[str, ParallelStyle]:

@@ -11,8 +11,10 @@ import torch
 from torch import Tensor
 
 from raymoe.models.common.decoder import CausalLM
-from raymoe.models.common.logprobs import next_token_entropy, next_token_logprobs
+from raymoe.models.common.logprobs import predicted_entropy, target_logprobs, to_token_alignment
+from raymoe.models.common.loss import IGNORE_INDEX, next_in_row
 from raymoe.models.common.transfer import to_device
+from raymoe.parallel.context_parallel.split import ContextSplit, split_for_inference, split_sequences
 from raymoe.parallel.fsdp import reshard
 from raymoe.parallel.vocab_parallel import vocab_parallel_loss, whole
 from raymoe.rank.context import RankContext
@@ -30,12 +32,17 @@ def token_logprobs(
     request: LogprobRequest,
 ) -> tuple[Tensor, Tensor | None, Tensor | None] | None:
     """``(logprobs [B, S] float32, entropy [B, S] | None, routes [B, S, L_moe, K] int16 | None)`` of this rank's
-    rows from the answering rank of the batch; None elsewhere. ``routes`` given: the routers replay them."""
+    rows from the answering rank of the batch; None elsewhere. ``routes`` given: the routers replay them.
+
+    Under context parallelism each cp rank computes its share (aligned with the positions that predict, so no
+    share needs another's next token) and the shares are gathered, then aligned with the tokens; a forward that
+    cannot be split runs on the whole rows on every cp rank (:func:`split_for_inference`)."""
     loaded = ctx.require_model()
     device = ctx.device
     mask = to_device(attention_mask_BS, device) if attention_mask_BS is not None else None
     documents = to_device(document_ids_BS, device) if document_ids_BS is not None else None
     routes = to_device(routes_BSLK, device) if routes_BSLK is not None else None
+    split = split_for_inference(loaded.sequence_split, input_ids_BS.shape[1], mask is not None)
     for part in loaded.parts:
         part.eval()
     start_keeping(loaded.parts, request.return_routes)
@@ -46,21 +53,36 @@ def token_logprobs(
 
     try:
         answer: tuple[Tensor, Tensor | None] | None = None
-        with vocab_parallel_loss(loaded.parts[-1]):
+        with vocab_parallel_loss(loaded.parts[-1]), split_sequences(loaded.parts, split):
             logits = loaded.runner.forward(ctx, input_ids_BS, run)
             if logits is not None:
-                ids = to_device(input_ids_BS, device)
-                logprobs = whole(next_token_logprobs(logits, ids, request.temperature))
-                entropy = whole(next_token_entropy(logits, request.temperature)) if request.return_entropy else None
+                targets = next_in_row(input_ids_BS, IGNORE_INDEX)
+                targets = to_device(split.cut(targets) if split is not None else targets, device)
+                logprobs = whole(target_logprobs(logits, targets, request.temperature))
+                entropy = whole(predicted_entropy(logits, request.temperature)) if request.return_entropy else None
                 answer = (logprobs, entropy)
             del logits
-        kept = take_from_parts(loaded.parts, *input_ids_BS.shape) if request.return_routes else {}
+        width = split.local_length(input_ids_BS.shape[1]) if split is not None else input_ids_BS.shape[1]
+        kept = take_from_parts(loaded.parts, input_ids_BS.shape[0], width) if request.return_routes else {}
     finally:
         start_keeping(loaded.parts, False)
         for part in loaded.parts:
             reshard(part)
+    if split is not None:
+        answer, kept = _gathered(split, answer), {slot: split.gather(ids) for slot, ids in kept.items()}
     routes_out = assemble_routes(ctx, kept, request.num_slots) if request.return_routes else None
     if answer is None or not ctx.answers_for_batch:
         return None
     logprobs, entropy = answer
-    return logprobs.cpu(), entropy.cpu() if entropy is not None else None, routes_out
+    aligned_entropy = to_token_alignment(entropy).cpu() if entropy is not None else None
+    return to_token_alignment(logprobs).cpu(), aligned_entropy, routes_out
+
+
+def _gathered(split: ContextSplit, answer: tuple[Tensor, Tensor | None] | None) -> tuple[Tensor, Tensor | None] | None:
+    """Every cp rank's share of the log-probs (and entropies) in row order, on the cp group's first rank."""
+    if answer is None:  # a rank without the last pipeline stage: its cp group has none either
+        return None
+    logprobs, entropy = answer
+    whole_logprobs = split.gather_to_first(logprobs)
+    whole_entropy = split.gather_to_first(entropy) if entropy is not None else None
+    return None if whole_logprobs is None else (whole_logprobs, whole_entropy)

@@ -29,11 +29,11 @@ from torch.distributed.tensor import DTensor
 
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.kv_cache import KVCache
-from raymoe.models.common.loss import causal_lm_loss
 from raymoe.models.common.transfer import to_device
-from raymoe.parallel.vocab_parallel import vocab_parallel_loss, whole
+from raymoe.parallel.context_parallel.split import split_sequences
+from raymoe.parallel.vocab_parallel import vocab_parallel_loss
 from raymoe.rank.contract import MicroBatch
-from raymoe.rank.objective import field_names, logits_objective, pack_target, unpack_target
+from raymoe.rank.objective import field_names, micro_target, target_objective
 from raymoe.rank.runner import Backward, PartCall
 from raymoe.spec.pipeline import StagePlan
 from raymoe.spec.policy import PolicyLoss
@@ -45,9 +45,9 @@ if TYPE_CHECKING:
 
 
 class PipelineLoss:
-    """The last stage's loss of one piece: summed token loss (or a policy loss, its per-token inputs packed in the
-    target: :func:`raymoe.rank.objective.pack_target`) / the global normalizer; a policy loss's statistics add up
-    in ``stats``."""
+    """The last stage's loss of one piece: summed token loss (or a policy loss) against the piece's target
+    (:func:`raymoe.rank.objective.micro_target`) / the global normalizer; a policy loss's statistics add up in
+    ``stats``."""
 
     def __init__(self) -> None:
         self.divisor = 1.0
@@ -56,12 +56,9 @@ class PipelineLoss:
         self.stats: Tensor | None = None
 
     def __call__(self, logits: Tensor, target: Tensor) -> Tensor:
-        if self.policy is None:
-            loss: Tensor = whole(causal_lm_loss(logits, target, reduction="sum")) / self.divisor
-            return loss
-        input_ids, fields = unpack_target(target, self.fields)
-        loss_sum, stats = logits_objective(logits, input_ids, fields, self.policy)
-        self.stats = stats if self.stats is None else self.stats + stats
+        loss_sum, stats = target_objective(logits, target, self.policy, self.fields)
+        if stats is not None:
+            self.stats = stats if self.stats is None else self.stats + stats
         return loss_sum / self.divisor
 
 
@@ -102,6 +99,8 @@ class PipelineStages:
         plan, group = self.plan, pipeline_group(ctx)
         parts = dict(zip(self.stage_ids, self.parts, strict=True))
         rows, width = input_ids_BS.shape
+        split = self.parts[0].model.sequence_split  # context parallelism: stages pass this rank's share of the rows
+        width = split.local_length(width) if split is not None else width
         hidden_size = self.parts[0].config.hidden_size
         x: Tensor | None = None
         for stage in range(plan.num_stages):
@@ -143,8 +142,10 @@ class PipelineStages:
         self, ctx: RankContext, micro: MicroBatch, divisor: float, policy: PolicyLoss | None
     ) -> tuple[Tensor, Tensor | None]:
         """Forward and backward of one micro-batch through the schedule: ``(loss_sum, stats)`` on ranks of the last
-        stage, ``(0, None)`` elsewhere (on the device)."""
+        stage, ``(0, None)`` elsewhere (on the device). Under context parallelism the stages run this rank's share of
+        the rows and the last one's target is cut to it."""
         documents, routes = micro.document_ids, micro.routes
+        split = ctx.require_model().sequence_split
         shape = (micro.input_ids.shape[0], micro.input_ids.shape[1], documents is not None, routes is not None)
         runtime = self._schedule(ctx, shape)
         runtime.loss.divisor, runtime.loss.policy = divisor, policy
@@ -154,10 +155,10 @@ class PipelineStages:
         if routes is not None:
             kwargs["routes_BSLK"] = to_device(routes, ctx.device)
         args = (to_device(micro.input_ids, ctx.device),) if 0 in self.stage_ids else ()
-        target = to_device(pack_target(micro, policy), ctx.device)
+        target = to_device(micro_target(micro, policy, split), ctx.device)
         for part in self.parts:
             part.train()
-        with vocab_parallel_loss(self.parts[-1]):
+        with vocab_parallel_loss(self.parts[-1]), split_sequences(self.parts, split):
             runtime.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         if not losses:  # not the last stage
             return torch.zeros((), device=ctx.device), None

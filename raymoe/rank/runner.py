@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.generation import Decoder
 from raymoe.models.common.transfer import to_device
+from raymoe.parallel.context_parallel.split import split_sequences
 from raymoe.parallel.vocab_parallel import vocab_parallel_loss
 from raymoe.rank.balance import Routing, aux_loss, collect_routing
 from raymoe.rank.contract import MicroBatch
@@ -135,20 +136,23 @@ class WholeModel:
 
         FSDP2 reduce-scatters each micro-batch's gradients as its backward ends, so they accumulate sharded (a
         rank never holds more than one unit's full gradients); with ``fsdp_defer_gradient_sync`` the full
-        gradients accumulate unsharded and are reduced once, after the last micro-batch."""
+        gradients accumulate unsharded and are reduced once, after the last micro-batch. Under context parallelism
+        each rank runs its share of every row (``loaded.sequence_split``); its loss covers its share's tokens."""
         model, balance = self.model, training.balance
         model.train()
         done = Backward(torch.zeros((), dtype=torch.float32, device=ctx.device))
         trains_aux = balance.aux_loss_coef > 0
         defer_sync = ctx.topology.config.fsdp_defer_gradient_sync
+        split = ctx.require_model().sequence_split
         for index, micro in enumerate(micro_batches):
             if defer_sync and isinstance(model, FSDPModule):
                 model.set_requires_gradient_sync(index == len(micro_batches) - 1)
-            with vocab_parallel_loss(model):
-                micro_loss, stats = micro_objective(model, micro, ctx.device, policy)
+            with vocab_parallel_loss(model), split_sequences(self.parts, split):
+                micro_loss, stats = micro_objective(model, micro, ctx.device, policy, split)
                 # FSDP2 sums the gradients over data-parallel ranks (raymoe.parallel.fsdp): one process's gradient.
                 objective = micro_loss / divisor
-                real_T = to_device(micro.token_mask.reshape(-1), ctx.device)
+                token_mask = split.cut(micro.token_mask) if split is not None else micro.token_mask
+                real_T = to_device(token_mask.reshape(-1), ctx.device)
                 routing = collect_routing(model, real_T, with_grad=trains_aux)
                 if routing is not None and trains_aux:
                     share = aux_loss(routing, ctx, per_layer=balance.aux_loss_per_layer) / len(micro_batches)

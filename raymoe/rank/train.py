@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from raymoe.parallel.context_parallel.split import ContextSplit
 from raymoe.parallel.grad_norm import clip_grads, grad_norm, sum_partial_grads
 from raymoe.parallel.sharding import local_tensor
 from raymoe.rank.balance import record_routing, routers, sum_over_batches, update_selection_bias
@@ -97,7 +98,7 @@ def train_step(
     bias_rate = training.balance.bias_update_rate
     if load_LE is not None and bias_rate is not None:
         update_selection_bias(loaded.model, sum_over_batches(load_LE.double(), ctx), bias_rate)
-    return _step_result(done, norm, answers=ctx.answers_for_batch)
+    return _step_result(done, norm, answers=ctx.answers_for_batch, split=loaded.sequence_split)
 
 
 def _callable_scale(ctx: RankContext, done: Backward) -> Tensor:
@@ -108,22 +109,29 @@ def _callable_scale(ctx: RankContext, done: Backward) -> Tensor:
     return 1.0 / total
 
 
-def _step_result(done: Backward, norm: Tensor, *, answers: bool) -> StepResult:
+def _step_result(done: Backward, norm: Tensor, *, answers: bool, split: ContextSplit | None = None) -> StepResult:
     """What the step reports, read from the device in one copy (the step's one host sync): loss and norm, and
     the routing of the batch's answering rank (its loads ``[L, E]``, dropped pairs ``[L]``, statistics ``[M, n]``).
-    Counts travel as float64, exact below 2**53."""
-    routings = done.routings if answers else []
-    parts = [done.loss_sum.double()[None], norm.double()[None]]
+    Counts travel as float64, exact below 2**53. Under context parallelism every rank holds a share of the batch's
+    tokens: the shares' sums are added over the cp group first (one all-reduce, every rank of each group)."""
+    reports = answers or split is not None
+    routings = done.routings if reports else []
+    parts = [done.loss_sum.double()[None]]
     if routings:
         parts += [
             torch.stack([r.load_LE for r in routings]).sum(dim=0).double().reshape(-1),
             torch.stack([r.dropped_L for r in routings]).sum(dim=0).double(),
             torch.stack([r.aux_stats() for r in routings]).reshape(-1),
         ]
-    policy = done.stats if answers else None
+    policy = done.stats if reports else None
     if policy is not None:
         parts.append(policy.double())
-    host = torch.cat(parts).cpu()
+    summed = torch.cat(parts)
+    if split is not None:
+        split.sum(summed)
+    if not answers:
+        routings, policy = [], None
+    host = torch.cat([summed[:1], norm.double()[None], summed[1:]]).cpu()
     loss_sum, grad_norm_value = float(host[0]), float(host[1])
     policy_stats = tuple(host[-policy.numel() :].tolist()) if policy is not None else None
     if not routings:

@@ -5,9 +5,13 @@ exists. Every rule violation is a ``ValueError`` naming the fields, their values
 
 Sizes after normalisation::
 
-    world_size = dp_replicate_size * fsdp_size * tp_size * pp_size      (CFG-1)
-    dp_size    = dp_replicate_size * fsdp_size                          distinct batches
-    efsdp_size = fsdp_size * tp_size / ep_size                          copies of the expert set
+    world_size = dp_replicate_size * fsdp_size * cp_size * tp_size * pp_size   (CFG-1)
+    dp_size    = dp_replicate_size * fsdp_size                                  distinct batches
+    efsdp_size = fsdp_size * cp_size * tp_size / ep_size                        copies of the expert set
+
+``cp_size`` (context parallelism) splits every sequence of a batch over ``cp_size`` ranks; they hold the same rows
+(one batch), each a ``1/cp_size`` share of its tokens (:mod:`raymoe.parallel.context_parallel`). FSDP2 shards the
+parameters over ``fsdp_size * cp_size`` ranks, and expert parallelism may span the cp ranks too.
 
 Decisions where the reference design is ambiguous or broken:
 
@@ -33,6 +37,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError, field_validator
 
+from raymoe.parallel.context_parallel import ContextParallelMode
+from raymoe.parallel.context_parallel.chunks import check_splittable
 from raymoe.parallel.styles import STYLES, ExpertRole
 
 PlanDict = dict[StrictStr, StrictStr]
@@ -79,7 +85,11 @@ class DistributedConfig(BaseModel):
     tp_plan: PlanDict | Literal["auto"] | None = Field(
         default=None, description='TP plan override; "auto"/None = model default; {} = no TP rules'
     )
-    enable_sequence_parallel: bool = Field(default=False, description="reserved; True is an error (CFG-9)")
+    enable_sequence_parallel: bool = Field(
+        default=False,
+        description="Megatron-style sequence parallelism inside TP: norms and the residual stream split along the "
+        "sequence over the tp group (CFG-9; needs tp_size > 1)",
+    )
     enable_expert_parallel: bool = Field(default=False, description="deprecated (CFG-6); use ep_size")
     fsdp_size: int | None = Field(default=None, ge=1, description="FSDP2 shard degree")
     dp_replicate_size: int | None = Field(default=None, ge=1, description="HSDP replica count")
@@ -97,6 +107,14 @@ class DistributedConfig(BaseModel):
         default="none",
         description="recompute each decoder layer's activations in backward: all of them (full), or all but the "
         "matmul and attention outputs (selective)",
+    )
+    cp_size: int | None = Field(
+        default=None, ge=1, description="context-parallel degree: ranks that split every sequence of a batch"
+    )
+    cp_mode: ContextParallelMode = Field(
+        default="ring",
+        description="attention across the split (cp_size > 1): 'ring' (K/V passed around the cp ranks) or "
+        "'all_to_all' (Ulysses: sequence <-> heads; needs heads divisible by cp_size)",
     )
     pp_size: int | None = Field(default=None, ge=1, description="pipeline degree")
     pp_schedule: PipelineScheduleName = Field(
@@ -133,29 +151,43 @@ class DistributedConfig(BaseModel):
     def model_post_init(self, context: Any, /) -> None:
         self._normalise()
 
-    # --- normalisation (CFG-2, CFG-6, CFG-7, CFG-9) -------------------------------------------
+    # --- normalisation (CFG-2, CFG-6, CFG-7, CFG-9, CFG-11) --------------------------------------
 
     def _set(self, field: str, value: Any) -> None:
         # The model is frozen for users; normalisation writes its derived defaults once, here.
         self.__dict__[field] = value
 
     def _normalise(self) -> None:
-        if self.enable_sequence_parallel:
-            raise _rule_error(
-                "CFG-9",
-                "enable_sequence_parallel=True is not implemented in raymoe yet; leave it False "
-                "(norm-only sequence sharding is available per module through the 'sequence_parallel' style)",
-            )
         self._translate_enable_expert_parallel()
-        for field in ("dp_replicate_size", "fsdp_size", "pp_size"):
+        for field in ("dp_replicate_size", "fsdp_size", "cp_size", "pp_size"):
             if getattr(self, field) is None:
                 self._set(field, 1)
         self._default_tp_size()
         self._default_ep_size()
         self._default_pipeline()
+        self._check_context_parallel()
         if self.tp_size is not None:
             self._check_sizes(self.tp_size)
+            self._check_sequence_parallel(self.tp_size)
         self._check_overridden_expert_mode()
+
+    def _check_context_parallel(self) -> None:
+        """CFG-11: ``cp_mode`` means something only with ``cp_size > 1``."""
+        if self._cp == 1 and self.cp_mode != type(self).model_fields["cp_mode"].default:
+            warnings.warn(
+                f"cp_mode={self.cp_mode!r} is ignored because cp_size=1: it applies only when cp_size > 1 [CFG-11]",
+                UserWarning,
+                stacklevel=_caller_stacklevel(),
+            )
+
+    def _check_sequence_parallel(self, tp_size: int) -> None:
+        """CFG-9: sequence parallelism splits the sequence over the tp group, so it needs one."""
+        if self.enable_sequence_parallel and tp_size == 1:
+            raise _rule_error(
+                "CFG-9",
+                "enable_sequence_parallel=True splits norms and the residual stream along the sequence over the tp "
+                "group, but tp_size=1; set tp_size > 1 (to split sequences over ranks without TP, use cp_size)",
+            )
 
     def _translate_enable_expert_parallel(self) -> None:
         if not self.enable_expert_parallel:
@@ -279,16 +311,22 @@ class DistributedConfig(BaseModel):
             )
 
     def _check_sizes(self, tp_size: int) -> None:
-        """CFG-3 divisibility between ep, tp and fsdp (number of experts is checked in plans.py)."""
-        ep, fsdp = self.ep_size, self.fsdp_size
+        """CFG-3 divisibility between ep, tp, cp and fsdp (number of experts is checked in plans.py)."""
+        ep, fsdp, cp = self.ep_size, self.fsdp_size, self._cp
         assert ep is not None and fsdp is not None  # set by _normalise before this runs
         if ep == 1:
             return
         if ep % tp_size:
             raise _rule_error("CFG-3", f"ep_size={ep} must be a multiple of tp_size={tp_size}")
-        if (fsdp * tp_size) % ep:
+        if (fsdp * cp * tp_size) % ep:
+            if cp == 1:
+                raise _rule_error(
+                    "CFG-3", f"ep_size={ep} must divide fsdp_size * tp_size = {fsdp} * {tp_size} = {fsdp * tp_size}"
+                )
             raise _rule_error(
-                "CFG-3", f"ep_size={ep} must divide fsdp_size * tp_size = {fsdp} * {tp_size} = {fsdp * tp_size}"
+                "CFG-3",
+                f"ep_size={ep} must divide fsdp_size * cp_size * tp_size = {fsdp} * {cp} * {tp_size} = "
+                f"{fsdp * cp * tp_size}",
             )
 
     def _check_overridden_expert_mode(self) -> None:
@@ -328,8 +366,8 @@ class DistributedConfig(BaseModel):
 
     @property
     def world_size(self) -> int:
-        """Number of ranks (CFG-1): ``dp_replicate_size * fsdp_size * tp_size * pp_size``."""
-        return self.dp_size * self._resolved_tp_size() * self._pp
+        """Number of ranks (CFG-1): ``dp_replicate_size * fsdp_size * cp_size * tp_size * pp_size``."""
+        return self.dp_size * self._cp * self._resolved_tp_size() * self._pp
 
     @property
     def dp_size(self) -> int:
@@ -339,14 +377,24 @@ class DistributedConfig(BaseModel):
 
     @property
     def efsdp_size(self) -> int:
-        """Full copies of the expert set inside one replica: ``fsdp_size * tp_size / ep_size``."""
+        """Full copies of the expert set inside one replica: ``fsdp_size * cp_size * tp_size / ep_size``."""
         assert self.fsdp_size is not None and self.ep_size is not None  # normalised
-        return self.fsdp_size * self._resolved_tp_size() // self.ep_size
+        return self.fsdp_size * self._cp * self._resolved_tp_size() // self.ep_size
 
     @property
     def _pp(self) -> int:
         assert self.pp_size is not None  # normalised
         return self.pp_size
+
+    @property
+    def _cp(self) -> int:
+        assert self.cp_size is not None  # normalised
+        return self.cp_size
+
+    @property
+    def splits_sequences(self) -> bool:
+        """Context parallelism: each sequence of a batch is split over ``cp_size > 1`` ranks."""
+        return self._cp > 1
 
     @property
     def stages_per_rank(self) -> int:
@@ -358,27 +406,35 @@ class DistributedConfig(BaseModel):
         """Pipeline stages of the model: ``pp_size * pp_stages_per_rank`` (1 without pipelines)."""
         return self._pp * self.stages_per_rank
 
+    def check_sequence_length(self, length: int) -> None:
+        """A ``ValueError`` unless rows of ``length`` tokens split over the cp ranks (``2 * cp_size`` equal chunks:
+        the load-balanced split of :mod:`raymoe.parallel.context_parallel.chunks`); nothing to check without cp."""
+        if self.splits_sequences:
+            check_splittable(length, self._cp)
+
     def resolve(self, world_size: int) -> DistributedConfig:
         """This config bound to ``world_size`` ranks: fills a deferred tp_size and checks CFG-1."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"DistributedConfig.resolve: world_size must be a positive int, got {world_size!r}")
         if self.tp_size is None:
-            others = self.dp_size * self._pp
+            others = self.dp_size * self._cp * self._pp
+            names, values = self._size_terms(("dp_replicate_size", "fsdp_size", "cp_size", "pp_size"))
             if world_size % others:
                 raise _rule_error(
                     "CFG-2",
-                    f"tp_size=None is inferred as world_size // (dp_replicate_size * fsdp_size * pp_size), but "
-                    f"world_size={world_size} is not divisible by {self.dp_replicate_size} * {self.fsdp_size} * "
-                    f"{self.pp_size} = {others}",
+                    f"tp_size=None is inferred as world_size // ({names}), but world_size={world_size} is not "
+                    f"divisible by {values} = {others}",
                 )
             return self.from_dict({**self.to_dict(), "tp_size": world_size // others})
         if world_size != self.world_size:
-            raise _rule_error(
-                "CFG-1",
-                f"world_size={world_size} must equal dp_replicate_size * fsdp_size * tp_size * pp_size = "
-                f"{self.dp_replicate_size} * {self.fsdp_size} * {self.tp_size} * {self.pp_size} = {self.world_size}",
-            )
+            names, values = self._size_terms(("dp_replicate_size", "fsdp_size", "cp_size", "tp_size", "pp_size"))
+            raise _rule_error("CFG-1", f"world_size={world_size} must equal {names} = {values} = {self.world_size}")
         return self
+
+    def _size_terms(self, fields: tuple[str, ...]) -> tuple[str, str]:
+        """``("a * b", "2 * 4")``: the product of ``fields`` as names and values, cp_size only where it is set."""
+        shown = [name for name in fields if name != "cp_size" or self._cp > 1]
+        return " * ".join(shown), " * ".join(str(getattr(self, name)) for name in shown)
 
     def check_expert_mode(self, mode: ExpertMode) -> None:
         """Rules tying sizes to the EP mechanism a resolved ep_plan selects (CFG-4, CFG-5)."""
@@ -417,7 +473,7 @@ class DistributedConfig(BaseModel):
         return cls.from_dict(data)
 
     def __repr__(self) -> str:
-        sizes = ("dp_replicate_size", "fsdp_size", "tp_size", "ep_size", "pp_size")
+        sizes = ("dp_replicate_size", "fsdp_size", "cp_size", "tp_size", "ep_size", "pp_size")
         parts = [f"{name}={getattr(self, name)!r}" for name in sizes]
         defaults = type(self).model_fields
         parts += [f"{name}={value!r}" for name, value in self if name not in sizes and value != defaults[name].default]

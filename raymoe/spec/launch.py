@@ -26,6 +26,7 @@ from raymoe.models.common.config import ModelConfig, read_config_file
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.lora import adapter_parameters
 from raymoe.models.registry import build_model, parse_model_config
+from raymoe.parallel.context_parallel.all_to_all import check_heads
 from raymoe.parallel.packed_experts import check_packed_layout
 from raymoe.spec.config import DistributedConfig
 from raymoe.spec.lora import LoraConfig, LoraSpec, add_adapters, resolve_lora
@@ -102,6 +103,17 @@ def check_quantized_experts(value: str | None, raw: Mapping[str, Any], lora: Lor
         )
 
 
+def check_context_parallel(model: ModelConfig, config: DistributedConfig) -> None:
+    """What context parallelism needs of the model: ``cp_mode='all_to_all'`` gives each cp rank a share of every tp
+    rank's query heads, so they must split ``cp_size`` ways (the ring takes any head count)."""
+    if not config.splits_sequences or config.cp_mode != "all_to_all":
+        return
+    tp, cp = config.tp_size or 1, config.cp_size or 1
+    check_heads(
+        model.num_attention_heads // tp, cp, f"{model.model_type} ({model.num_attention_heads} heads / tp {tp})"
+    )
+
+
 def as_config(distributed_config: DistributedConfig | dict[str, Any] | None) -> DistributedConfig:
     if distributed_config is None:
         return DistributedConfig()
@@ -158,6 +170,7 @@ def prepare_launch(
         if adapters.adapter_dir is not None:  # its tensors' names and shapes, from the safetensors header
             shapes = {name: tuple(param.shape) for name, param in adapter_parameters(model)}
             AdapterFile(adapters.adapter_dir, adapters.targets).check(shapes)
+    check_context_parallel(model_config, topology.config)
     plans = resolve_plans(model, model.default_plans(), topology.config, num_experts=model.num_experts)
     if quantized_experts is not None:  # the rules' splits must keep every MXFP4 group of 32 whole
         check_packed_layout(model, plans.tp_rules, plans.styles, topology.config.tp_size or 1)

@@ -4,14 +4,24 @@ Pure functions of a :class:`~raymoe.spec.config.DistributedConfig` and a world s
 touches a process group. Ranks are laid out row-major with tp innermost, in two views of the
 same ranks (a rank's id is the same in both)::
 
-    dense  view  (dp_replicate, pp, fsdp,  tp)    attention, dense MLPs, embeddings, norms
-    expert view  (dp_replicate, pp, efsdp, ep)    expert weights;  efsdp * ep == fsdp * tp
+    dense  view  (dp_replicate, pp, fsdp, cp, tp)    attention, dense MLPs, embeddings, norms
+    expert view  (dp_replicate, pp, efsdp,    ep)    expert weights;  efsdp * ep == fsdp * cp * tp
 
-    rank = ((dp_replicate * pp_size + pp) * fsdp_size + fsdp) * tp_size + tp
+    rank = (((dp_replicate * pp_size + pp) * fsdp_size + fsdp) * cp_size + cp) * tp_size + tp
          = ((dp_replicate * pp_size + pp) * efsdp_size + efsdp) * ep_size + ep
 
-A pipeline stage (pp coordinate) is a block of ``fsdp_size * tp_size`` consecutive ranks inside its
-replica; the TOPO rules below hold inside each stage. Every stage of a replica sees the same batches:
+A pipeline stage (pp coordinate) is a block of ``fsdp_size * cp_size * tp_size`` consecutive ranks inside its
+replica; the TOPO rules below hold inside each stage.
+
+Context parallelism (``cp_size > 1``): the cp ranks of a batch hold the same rows, each a share of every sequence
+(chunks ``c`` and ``2 * cp_size - 1 - c`` of ``2 * cp_size``, :mod:`raymoe.parallel.context_parallel`); the answering
+rank is the batch's first (cp 0, tp 0) of the last stage::
+
+    cp=2, fsdp=2, tp=1, a row of 8 chunks' worth of tokens: c0 c1 c2 c3
+    rank     0       1       2       3
+    batch    [==B0==========]  [==B1==========]
+    cp       0       1       0       1
+    chunks   c0 c3   c1 c2   c0 c3   c1 c2 Every stage of a replica sees the same batches:
 the first stage reads the token ids, the last the labels, and the last stage's first tp rank answers::
 
     pp=2, fsdp=2, tp=1
@@ -46,13 +56,17 @@ class Axis(StrEnum):
     DP_REPLICATE = "dp_replicate"
     PP = "pp"
     FSDP = "fsdp"
+    CP = "cp"
     TP = "tp"
     EFSDP = "efsdp"
     EP = "ep"
 
 
-DENSE_AXES = (Axis.DP_REPLICATE, Axis.PP, Axis.FSDP, Axis.TP)
+DENSE_AXES = (Axis.DP_REPLICATE, Axis.PP, Axis.FSDP, Axis.CP, Axis.TP)
 EXPERT_AXES = (Axis.DP_REPLICATE, Axis.PP, Axis.EFSDP, Axis.EP)
+# FSDP2 shards dense parameters over fsdp and cp together (torchtitan's dp_shard_cp): both axes are adjacent in the
+# dense view, so the ranks of one such group are the flattened (fsdp, cp) sub-mesh.
+FSDP_CP = "fsdp_cp"
 
 
 @dataclass(frozen=True)
@@ -67,12 +81,13 @@ class RankCoords:
     efsdp: int
     ep: int
     batch: int
+    cp: int = 0
 
     def on(self, axis: Axis) -> int:
         return int(getattr(self, axis.value))
 
     def label(self) -> str:
-        """``rank 5 (dp_replicate=0, pp=0, fsdp=2, tp=1, ep=1, efsdp=1)``: how errors name a rank."""
+        """``rank 5 (dp_replicate=0, pp=0, fsdp=2, cp=0, tp=1, ep=1, efsdp=1)``: how errors name a rank."""
         axes = ", ".join(f"{axis.value}={self.on(axis)}" for axis in (*DENSE_AXES, Axis.EP, Axis.EFSDP))
         return f"rank {self.rank} ({axes})"
 
@@ -93,6 +108,7 @@ class Topology:
             Axis.DP_REPLICATE: self.config.dp_replicate_size,
             Axis.PP: self.config.pp_size,
             Axis.FSDP: self.config.fsdp_size,
+            Axis.CP: self.config.cp_size,
             Axis.TP: self.config.tp_size,
             Axis.EFSDP: self.config.efsdp_size,
             Axis.EP: self.config.ep_size,
@@ -119,18 +135,18 @@ class Topology:
         return _expert_block(self.ranks[rank].ep, self.axis_size(Axis.EP), num_experts)
 
     def batch_ranks(self) -> tuple[tuple[int, ...], ...]:
-        """Ranks that hold batch ``b`` at index ``b``: one tp group per pipeline stage (TOPO-1)."""
+        """Ranks that hold batch ``b`` at index ``b``: its cp x tp ranks in each pipeline stage (TOPO-1)."""
         return tuple(tuple(r.rank for r in self.ranks if r.batch == b) for b in range(self.config.dp_size))
 
     def answer_ranks(self) -> tuple[int, ...]:
-        """The rank that answers for batch ``b`` at index ``b``: the first tp rank of the last pipeline stage."""
+        """The rank that answers for batch ``b`` at index ``b``: the first (cp 0, tp 0) rank of the last stage."""
         last = self.axis_size(Axis.PP) - 1
         return tuple(next(r for r in ranks if self.ranks[r].pp == last) for ranks in self.batch_ranks())
 
     def answers(self, rank: int) -> bool:
         """True for the rank that returns its batch rows' results (:meth:`answer_ranks`)."""
         coords = self.ranks[rank]
-        return coords.tp == 0 and coords.pp == self.axis_size(Axis.PP) - 1
+        return coords.tp == 0 and coords.cp == 0 and coords.pp == self.axis_size(Axis.PP) - 1
 
     def describe(self, num_experts: int | None = None, ep_sizes: tuple[int, ...] | None = None) -> str:
         """The rank picture of SPEC TOPO-3.
@@ -149,22 +165,24 @@ def build_topology(config: DistributedConfig, world_size: int | None = None) -> 
             raise ValueError("build_topology: tp_size is deferred (tp_plan='auto'); pass the world_size to infer it")
         config = config.resolve(world_size)
     replicas, fsdp, tp = (config.dp_replicate_size, config.fsdp_size, config.tp_size)
-    ep, pp = config.ep_size, config.pp_size
+    ep, pp, cp = config.ep_size, config.pp_size, config.cp_size
     assert replicas is not None and fsdp is not None and tp is not None and ep is not None and pp is not None
+    assert cp is not None
     ranks = []
     for rank in range(config.world_size):
-        block, in_stage = divmod(rank, fsdp * tp)
+        block, in_stage = divmod(rank, fsdp * cp * tp)
         replica, stage = divmod(block, pp)
         ranks.append(
             RankCoords(
                 rank=rank,
                 dp_replicate=replica,
                 pp=stage,
-                fsdp=in_stage // tp,
+                fsdp=in_stage // (cp * tp),
                 tp=in_stage % tp,
                 efsdp=in_stage // ep,
                 ep=in_stage % ep,
-                batch=replica * fsdp + in_stage // tp,
+                batch=replica * fsdp + in_stage // (cp * tp),
+                cp=in_stage // tp % cp,
             )
         )
     return Topology(config=config, ranks=tuple(ranks))
@@ -202,6 +220,7 @@ class _Picture:
     def __init__(self, topology: Topology) -> None:
         self.topo = topology
         self.tp = topology.axis_size(Axis.TP)
+        self.cp = topology.axis_size(Axis.CP)
 
     def render(self, num_experts: int | None, ep_sizes: tuple[int, ...] | None) -> str:
         own_ep = self.topo.axis_size(Axis.EP)
@@ -214,6 +233,11 @@ class _Picture:
         if self.topo.axis_size(Axis.PP) > 1:
             lines.append(self._row("stage", [f"{r.pp:>2}" for r in self.topo.ranks]))
         lines.append(self._batch_row())
+        if self.cp > 1:
+            last = 2 * self.cp - 1
+            lines.append(self._row("cp", [f"{r.cp:>2}" for r in self.topo.ranks]))
+            chunks = [f"c{r.cp}c{last - r.cp}" for r in self.topo.ranks]
+            lines.append(self._row("chunks", chunks, f"every row in {2 * self.cp} chunks, two per cp rank"))
         if self.tp > 1:
             lines.append(self._row("tp", [f"{r.tp:>2}" for r in self.topo.ranks]))
         for ep, (cells, note) in zip(sizes, expert_rows, strict=True):
@@ -228,14 +252,20 @@ class _Picture:
         return f"{text} {note}".rstrip() if note else text.rstrip()
 
     def _batch_row(self) -> str:
-        width = self.tp * self.cell + 1
+        width = self.cp * (self.tp * self.cell + 1)
         text = "batch".ljust(self.LABEL_WIDTH)
-        for ranks in self.topo.groups(Axis.TP):  # in rank order; every pipeline stage holds each batch
-            name = f"B{self.topo.ranks[ranks[0]].batch}"
+        # in rank order, one box per batch block (its cp x tp ranks); every pipeline stage holds each batch
+        for first in range(0, self.topo.world_size, self.cp * self.tp):
+            name = f"B{self.topo.ranks[first].batch}"
             inner = width - 5
             box = f"[{name.center(inner, '=')}]" if inner >= len(name) + 2 else name
             text += box.ljust(width)
-        return f"{text.rstrip()}     one batch per {self._tp_unit()}"
+        return f"{text.rstrip()}     one batch per {self._batch_unit()}"
+
+    def _batch_unit(self) -> str:
+        if self.cp == 1:
+            return self._tp_unit()
+        return f"cp group of {self.cp}" if self.tp == 1 else f"cp group of {self.cp} TP groups"
 
     def _tp_unit(self) -> str:
         return {1: "rank", 2: "TP pair"}.get(self.tp, f"TP group of {self.tp}")

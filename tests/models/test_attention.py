@@ -10,7 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from raymoe.models import parse_model_config
-from raymoe.models.common.attention import Attention, causal_attention, masked_attention
+from raymoe.models.common.attention import Attention
+from raymoe.models.common.row_attention import causal_attention, masked_attention
 
 
 def reference_attention(q, k, v, scale, start, window, key_mask, sinks):

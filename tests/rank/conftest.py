@@ -18,7 +18,7 @@ LR, WEIGHT_DECAY, STEPS, ROWS, SEQ = 1e-3, 0.1, 3, 8, 10
 MICRO = 2  # micro-batches of the counted step
 
 
-def counted_step(ctx, vocab: int) -> tuple[int, int, int, int, dict[str, int]]:
+def counted_step(ctx, vocab: int, seq: int = SEQ) -> tuple[int, int, int, int, dict[str, int]]:
     """A training step of ``MICRO`` micro-batches (the same rows on every rank), the second of two, under the meter
     (:func:`_budget_parts`)."""
     import torch
@@ -27,7 +27,7 @@ def counted_step(ctx, vocab: int) -> tuple[int, int, int, int, dict[str, int]]:
     from raymoe.rank.host_syncs import HostSyncs
     from raymoe.rank.train import train_step
 
-    ids = torch.randint(0, vocab, (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, vocab, (ROWS, seq), generator=torch.Generator().manual_seed(0))
     micro = MicroBatch(ids, ids.clone(), torch.ones_like(ids, dtype=torch.bool))
     tokens = MICRO * ids.numel() * ctx.topology.world_size
     train_step(ctx, [micro] * MICRO, global_tokens=tokens)  # a pipeline's first step of a shape sets it up
@@ -66,13 +66,13 @@ def _budget_parts(ctx, syncs) -> tuple[int, int, int, int, dict[str, int]]:
     return syncs.count, dispatch, fallback, moe_layers, dict(syncs.sites)
 
 
-def check_sync_budgets(model, vocab: int) -> None:
+def check_sync_budgets(model, vocab: int, seq: int = SEQ) -> None:
     """The sync budgets (issue 36) of a training step: one device -> host sync (the step's answer), plus under token
     dispatch the all-to-all split sizes, one per MoE layer and micro-batch (again in recomputation); and of
     decoding: one per token (plus one read of the rows' host ids when it starts, which the CPU meter counts), plus
     the split sizes at each forward. The padded GEMM fallback's reads are granted too (:func:`_budget_parts`)."""
     recomputed = 2 if model.topology.config.activation_checkpointing != "none" else 1
-    for syncs, dispatch, fallback, moe_layers, sites in model.run_on_ranks(counted_step, vocab):
+    for syncs, dispatch, fallback, moe_layers, sites in model.run_on_ranks(counted_step, vocab, seq):
         assert syncs - dispatch - fallback <= 1, sites
         assert dispatch in (0, moe_layers * MICRO * recomputed), sites
     new_tokens = 5
@@ -92,8 +92,8 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def check_layout(
     load_on_world, tiny_checkpoint, load_hf_model, reference_training, padded_batches
 ) -> Callable[..., list[dict[str, Any]]]:
-    """``check_layout(config, tmp_path, checkpoint=name or directory, micro_batches=1, zero_gradient=())`` -> the
-    step metrics.
+    """``check_layout(config, tmp_path, checkpoint=name or directory, micro_batches=1, zero_gradient=(), seq=10)`` ->
+    the step metrics.
 
     Three AdamW steps on padded batches under ``config``: each loss and gradient norm within 1e-5 (relative)
     of transformers training on the whole global batch in one process; the saved checkpoint loads in
@@ -109,10 +109,11 @@ def check_layout(
         checkpoint: str | Path,
         micro_batches: int = 1,
         zero_gradient: tuple[str, ...] = (),
+        seq: int = SEQ,
     ) -> list[dict[str, Any]]:
         directory = tiny_checkpoint(checkpoint) if isinstance(checkpoint, str) else checkpoint
         hf_model = load_hf_model(directory)
-        data = padded_batches(hf_model.config.vocab_size, steps=STEPS, rows=ROWS, seq=SEQ)
+        data = padded_batches(hf_model.config.vocab_size, steps=STEPS, rows=ROWS, seq=seq)
         ref_losses, ref_norms, ref_model = reference_training(hf_model, data, LR, WEIGHT_DECAY)
         with load_on_world(directory, config) as model:
             model.configure_training(lr=LR, weight_decay=WEIGHT_DECAY, betas=TORCH_BETAS, max_grad_norm=None)
@@ -138,7 +139,7 @@ def check_layout(
                 prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False
             )
             assert model.generate(prompt[0:1].tolist(), 4) == [expected[0].tolist()]
-            check_sync_budgets(model, vocab=hf_model.config.vocab_size)
+            check_sync_budgets(model, vocab=hf_model.config.vocab_size, seq=seq)
         return metrics
 
     return check

@@ -246,12 +246,61 @@ def test_config_is_frozen():
         config.tp_size = 4
 
 
-# --- CFG-9: sequence parallel reserved -----------------------------------------------------------
+# --- CFG-9: sequence parallelism inside TP; CFG-11: context parallelism ------------------------------
 
 
-def test_enable_sequence_parallel_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"enable_sequence_parallel=True is not implemented.*\[CFG-9\]"):
-        make(tp_size=2, enable_sequence_parallel=True)
+def test_enable_sequence_parallel_needs_a_tp_group():
+    assert make(tp_size=2, enable_sequence_parallel=True).enable_sequence_parallel
+    with pytest.raises(ValueError, match=r"enable_sequence_parallel=True .* but tp_size=1; .*use cp_size\) \[CFG-9\]"):
+        make(enable_sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"tp_size=1.*\[CFG-9\]"):
+        make(tp_size=1, fsdp_size=2, enable_sequence_parallel=True)
+
+
+def test_a_deferred_tp_size_is_checked_for_sequence_parallelism_when_resolved():
+    config = make(tp_plan="auto", fsdp_size=2, enable_sequence_parallel=True)
+    assert config.resolve(4).tp_size == 2
+    with pytest.raises(ValueError, match=r"\[CFG-9\]"):
+        config.resolve(2)
+
+
+def test_cp_size_adds_ranks_and_joins_the_expert_groups():
+    config = make(cp_size=2, fsdp_size=2, ep_size=4)
+    assert (config.world_size, config.dp_size, config.efsdp_size, config.splits_sequences) == (4, 2, 1, True)
+    assert not make(fsdp_size=2).splits_sequences
+    assert make(cp_size=2, tp_size=2).world_size == 4
+    assert make(tp_plan="auto", cp_size=2).resolve(8).tp_size == 4
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        (
+            {"cp_size": 2, "ep_size": 8},
+            r"ep_size=8 must divide fsdp_size \* cp_size \* tp_size = 1 \* 2 \* 1 = 2 \[CFG-3\]",
+        ),
+        ({"cp_size": 0}, r"cp_size=0: Input should be greater than or equal to 1"),
+        ({"cp_size": 2, "cp_mode": "rings"}, r"cp_mode='rings'"),
+        ({"cp_size": 2, "tp_size": 2, "ep_size": 4, "ep_plan": MASKED_PLAN}, r"ep_size == tp_size.*\[CFG-4\]"),
+    ],
+)
+def test_bad_context_parallel_layouts_are_one_clear_error(sizes, message):
+    with pytest.raises(ValueError, match=message):
+        make(**sizes)
+
+
+def test_world_size_rule_names_cp_size_only_when_it_is_set():
+    with pytest.raises(
+        ValueError, match=r"fsdp_size \* cp_size \* tp_size \* pp_size = 1 \* 2 \* 2 \* 2 \* 1 = 8 \[CFG-1\]"
+    ):
+        make(fsdp_size=2, cp_size=2, tp_size=2).resolve(4)
+    with pytest.raises(ValueError, match=r"fsdp_size \* tp_size \* pp_size = 1 \* 2 \* 1 \* 1 = 2 \[CFG-1\]"):
+        make(fsdp_size=2).resolve(4)
+
+
+def test_cp_mode_without_cp_warns_that_it_is_ignored():
+    with pytest.warns(UserWarning, match=r"cp_mode='all_to_all' is ignored because cp_size=1: .*\[CFG-11\]"):
+        make(cp_mode="all_to_all")
 
 
 # --- serialisation ---------------------------------------------------------------------------------
@@ -285,6 +334,6 @@ def test_from_json_rejects_bad_json_and_non_dicts():
 def test_repr_shows_sizes_and_non_default_fields_only():
     text = repr(make(tp_size=2, fsdp_size=4, ep_size=4, fsdp_mixed_precision=True))
     assert text == (
-        "DistributedConfig(dp_replicate_size=1, fsdp_size=4, tp_size=2, ep_size=4, pp_size=1, "
+        "DistributedConfig(dp_replicate_size=1, fsdp_size=4, cp_size=1, tp_size=2, ep_size=4, pp_size=1, "
         "fsdp_mixed_precision=True)"
     )

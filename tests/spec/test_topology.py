@@ -129,7 +129,7 @@ def test_topo5_hsdp_replicas_are_node_blocks_and_shard_groups_stay_inside():
         for group in t.groups(axis):
             assert len({replica[r] for r in group}) == 1, (axis, group)
     assert [r.batch for r in t.ranks] == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert t.mesh_shape(DENSE_AXES) == (2, 1, 2, 2) and t.mesh_shape(EXPERT_AXES) == (2, 1, 1, 4)
+    assert t.mesh_shape(DENSE_AXES) == (2, 1, 2, 1, 2) and t.mesh_shape(EXPERT_AXES) == (2, 1, 1, 4)
 
 
 def test_tp1_every_rank_is_its_own_batch():
@@ -162,7 +162,7 @@ def test_describe_rejects_an_ep_size_that_does_not_fit():
 
 def test_rank_label_names_coordinates():
     t = topo(tp_size=2, fsdp_size=4, ep_size=4)
-    assert t.ranks[5].label() == "rank 5 (dp_replicate=0, pp=0, fsdp=2, tp=1, ep=1, efsdp=1)"
+    assert t.ranks[5].label() == "rank 5 (dp_replicate=0, pp=0, fsdp=2, cp=0, tp=1, ep=1, efsdp=1)"
 
 
 def test_deferred_tp_is_resolved_from_world_size():
@@ -180,7 +180,7 @@ def test_world_size_must_match_config():
 
 def test_pipeline_stages_are_blocks_inside_a_replica_and_share_the_batches():
     t = topo(dp_replicate_size=2, pp_size=2, fsdp_size=2, tp_size=2, ep_size=2)
-    assert t.world_size == 16 and t.mesh_shape(DENSE_AXES) == (2, 2, 2, 2)
+    assert t.world_size == 16 and t.mesh_shape(DENSE_AXES) == (2, 2, 2, 1, 2)
     assert [r.pp for r in t.ranks] == [0] * 4 + [1] * 4 + [0] * 4 + [1] * 4
     assert [r.batch for r in t.ranks[:8]] == [0, 0, 1, 1, 0, 0, 1, 1]
     # a pp group: the same place in every stage of one replica

@@ -24,9 +24,10 @@ from raymoe.models.common.hub_layout import HubLayout
 from raymoe.models.common.kv_cache import KVCache, LayerKVCache
 from raymoe.models.common.lora import is_adapter_name
 from raymoe.models.common.norm import RMSNorm
-from raymoe.models.common.packing import PackedDocuments, pack_documents
+from raymoe.models.common.packing import pack_documents
 from raymoe.models.common.plans import DefaultPlans
 from raymoe.models.common.rope import rope_cos_sin
+from raymoe.models.common.sequence_split import SequenceSplit, TokenLayout
 from raymoe.models.moe import GroupedExperts, TopKRouter
 from raymoe.models.moe.packed import packed_companions
 
@@ -52,12 +53,13 @@ class DecoderLayer(nn.Module):
         cache: LayerKVCache | None = None,
         start: int = 0,
         key_mask_BL: Tensor | None = None,
-        documents: PackedDocuments | None = None,
+        layout: TokenLayout | None = None,
         routes_BSK: Tensor | None = None,
     ) -> Tensor:
-        """``routes [B, S, K]``: replayed expert ids for a sparse layer's router (None: its own choice)."""
+        """``layout``: packed rows or a split row (:mod:`raymoe.models.common.sequence_split`); ``routes [B, S, K]``:
+        replayed expert ids for a sparse layer's router (None: its own choice)."""
         attn_in_BSH = self.input_layernorm(x_BSH)
-        h_BSH = x_BSH + self.self_attn(attn_in_BSH, cos_SD, sin_SD, cache, start, key_mask_BL, documents)
+        h_BSH = x_BSH + self.self_attn(attn_in_BSH, cos_SD, sin_SD, cache, start, key_mask_BL, layout)
         mlp_in_BSH = self.post_attention_layernorm(h_BSH)
         mlp_BSH = self.mlp(mlp_in_BSH) if routes_BSK is None else self.mlp(mlp_in_BSH, routes_BSK)
         out_BSH: Tensor = h_BSH + mlp_BSH
@@ -77,10 +79,15 @@ class DecoderModel(nn.Module):
 
     A part of the model (:meth:`CausalLM.keep_part`) may lack the embedding (it then takes hidden states
     ``[B, S, H]`` in place of token ids) and the final norm (it returns its last layer's output).
+
+    With ``sequence_split`` set (context parallelism, for the duration of a forward: ``raymoe.parallel``'s
+    ``split_sequences``), a forward runs on the split's share of every row: token ids, ``document_ids`` and
+    ``routes`` come as full rows (ids are cut before the embedding), hidden states in and out are the share only.
     """
 
     embed_tokens: nn.Embedding | None
     norm: RMSNorm | None
+    sequence_split: SequenceSplit | None
 
     def __init__(self, config: ModelConfig, layers: list[DecoderLayer]) -> None:
         super().__init__()
@@ -88,6 +95,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.sequence_split = None
 
     def forward(
         self,
@@ -109,14 +117,27 @@ class DecoderModel(nn.Module):
         ``j`` for the model's ``j``-th sparse layer (of the whole model, also in a part that runs some layers).
         """
         start = cache.length if cache is not None else 0
+        split = self.sequence_split
+        layout: TokenLayout | None = None
+        key_mask_BL: Tensor | None = None
+        if split is not None:
+            if cache is not None or attention_mask_BS is not None:
+                raise ValueError(
+                    "a forward split over ranks (context parallelism) takes whole right-padded rows: no KV cache, "
+                    "no attention_mask"
+                )
+            rows, width = input_ids_BS.shape[:2]
+            full = width if self.embed_tokens is not None else split.full_length(width)
+            input_ids_BS = split.cut(input_ids_BS) if self.embed_tokens is not None else input_ids_BS
+            routes_BSLK = split.cut(routes_BSLK) if routes_BSLK is not None else None
+            layout = split.layout(document_ids_BS, rows, full, input_ids_BS.device)
         x_BSH = self.embed_tokens(input_ids_BS) if self.embed_tokens is not None else input_ids_BS
-        documents = None
-        key_mask_BL: Tensor | None
-        if document_ids_BS is not None:
+        if layout is None and document_ids_BS is not None:
             if cache is not None:
                 raise ValueError("document_ids packs documents for training and evaluation; it takes no KV cache")
-            documents = pack_documents(document_ids_BS)
-            positions, key_mask_BL = documents.positions_BS, None
+            layout = pack_documents(document_ids_BS)
+        if layout is not None:
+            positions = layout.positions_BS
         else:
             positions, key_mask_BL = _positions(x_BSH.shape[:2], x_BSH.device, cache, attention_mask_BS, start)
         cos_SD, sin_SD = rope_cos_sin(self.config.rope, self.config.rope_dim, positions, x_BSH.dtype)
@@ -124,7 +145,7 @@ class DecoderModel(nn.Module):
         for i, layer in enumerate(self.layers):
             layer_cache = cache.layers[i] if cache is not None else None
             routes_BSK = routes_BSLK[:, :, slots[i]] if routes_BSLK is not None and i in slots else None
-            x_BSH = layer(x_BSH, cos_SD, sin_SD, layer_cache, start, key_mask_BL, documents, routes_BSK)
+            x_BSH = layer(x_BSH, cos_SD, sin_SD, layer_cache, start, key_mask_BL, layout, routes_BSK)
         if cache is not None:
             cache.advance(x_BSH.shape[1])
         if self.norm is None:

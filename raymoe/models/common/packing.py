@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from raymoe.models.common.row_attention import AttentionRule, attend_rows
+
 
 @dataclass(frozen=True)
 class DocumentBatch:
@@ -43,6 +45,11 @@ class PackedDocuments:
     batches: tuple[DocumentBatch, ...]
     order: Tensor
     one_per_row: bool = False  # every row is a single document: plain causal attention is exact
+
+    def attend(self, q_BHqSD: Tensor, k_BHkvSD: Tensor, v_BHkvSD: Tensor, rule: AttentionRule) -> Tensor:
+        """Each document's queries attend to its own keys, under ``rule`` (a token layout,
+        :mod:`raymoe.models.common.sequence_split`)."""
+        return packed_attention(q_BHqSD, k_BHkvSD, v_BHkvSD, self, lambda q, k, v: attend_rows(q, k, v, rule))
 
 
 def pack_documents(document_ids_BS: Tensor) -> PackedDocuments:

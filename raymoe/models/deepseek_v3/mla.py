@@ -21,12 +21,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from raymoe.models.common.attention import causal_attention, masked_attention
 from raymoe.models.common.config import ModelConfig
 from raymoe.models.common.kv_cache import LayerKVCache
 from raymoe.models.common.norm import RMSNorm
-from raymoe.models.common.packing import PackedDocuments, packed_attention
 from raymoe.models.common.rope import apply_rope
+from raymoe.models.common.row_attention import AttentionRule, attend_rows
+from raymoe.models.common.sequence_split import TokenLayout
 from raymoe.models.common.shard_hints import ROPE_DIM_ATTR, SHARD_BLOCK_ATTR
 
 
@@ -77,7 +77,7 @@ class MultiHeadLatentAttention(nn.Module):
         cache: LayerKVCache | None = None,
         start: int = 0,
         key_mask_BL: Tensor | None = None,
-        documents: PackedDocuments | None = None,
+        layout: TokenLayout | None = None,
     ) -> Tensor:
         """As :meth:`Attention.forward`: ``cos/sin`` are of the ``qk_rope_head_dim`` rotated channels."""
         batch, seq, _ = x_BSH.shape
@@ -97,17 +97,13 @@ class MultiHeadLatentAttention(nn.Module):
         q_rot, k_rot_B1SR = apply_rope(q_rot, cos_SD, sin_SD), apply_rope(k_rot_B1SR, cos_SD, sin_SD)
         q = torch.cat((q_nope, q_rot), dim=-1)
         k = torch.cat((k_nope, k_rot_B1SR.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
-        if documents is not None:  # packed rows: each document alone (raymoe.models.common.packing)
-            out_BHqSV = packed_attention(
-                q, k, v, documents, lambda q_, k_, v_: causal_attention(q_, k_, v_, 0, self.scale)
-            )
+        rule = AttentionRule(self.scale)
+        if layout is not None:  # packed rows, or rows split over ranks (raymoe.models.common.sequence_split)
+            out_BHqSV = layout.attend(q, k, v, rule)
         else:
             if cache is not None:
                 k, v = cache.update(k, v, start)
-            if key_mask_BL is None:
-                out_BHqSV = causal_attention(q, k, v, start, self.scale)
-            else:
-                out_BHqSV = masked_attention(q, k, v, start, self.scale, None, None, key_mask_BL)
+            out_BHqSV = attend_rows(q, k, v, rule, start, key_mask_BL)
         out_BSH: Tensor = self.o_proj(out_BHqSV.transpose(1, 2).reshape(batch, seq, -1))
         return out_BSH
 
