@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.generation import Generation
-from raymoe.parallel.context_parallel.split import ContextSplit
+from raymoe.parallel.sequence_shares import SequenceShares
 from raymoe.rank.contract import DEFAULT_COLLECTIVE_TIMEOUT_S, Backend, Rendezvous
 from raymoe.rank.progress import FLIGHT_RECORDER_ENTRIES
 from raymoe.spec.balance import BalanceConfig
@@ -93,7 +93,7 @@ class LoadedModel:
     generation: Generation | None = None  # a stream in progress (raymoe.rank.infer)
     pending_save: PendingSave | None = None  # an asynchronous save_state still writing (raymoe.rank.state)
     weight_stream: WeightStream | None = None  # hub weights streamed bucket by bucket (raymoe.rank.weight_stream)
-    sequence_split: ContextSplit | None = None  # cp_size > 1: the share of every row this rank's forwards run on
+    shares: SequenceShares = field(default_factory=SequenceShares)  # how forwards split sequences (cp, SP)
 
     @property
     def parts(self) -> tuple[CausalLM, ...]:

@@ -12,7 +12,6 @@ from torch import Tensor
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.loss import token_loss
 from raymoe.models.common.transfer import to_device
-from raymoe.parallel.context_parallel.split import split_sequences
 from raymoe.parallel.fsdp import reshard
 from raymoe.parallel.vocab_parallel import vocab_parallel_loss, whole
 from raymoe.rank.context import RankContext
@@ -30,7 +29,8 @@ def eval_loss(ctx: RankContext, micro_batches: list[MicroBatch]) -> float:
     are added over the cp group.
     """
     loaded = ctx.require_model()
-    split = loaded.sequence_split
+    shares = loaded.shares
+    split = shares.context
     for part in loaded.parts:
         part.eval()
     loss_sum = torch.zeros((), dtype=torch.float32, device=ctx.device)
@@ -41,7 +41,7 @@ def eval_loss(ctx: RankContext, micro_batches: list[MicroBatch]) -> float:
             out: Tensor = part(inputs, document_ids_BS=documents)
             return out
 
-        with vocab_parallel_loss(loaded.parts[-1]), split_sequences(loaded.parts, split):
+        with vocab_parallel_loss(loaded.parts[-1]), shares.applied(loaded.parts):
             logits = loaded.runner.forward(ctx, micro.input_ids, run)
             if logits is not None:
                 targets = to_device(micro_target(micro, None, split), ctx.device)

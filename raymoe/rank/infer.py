@@ -21,7 +21,6 @@ from torch.distributed.tensor import DTensor
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.generation import Generation
 from raymoe.models.common.transfer import to_device
-from raymoe.parallel.context_parallel.split import split_for_inference, split_sequences
 from raymoe.parallel.fsdp import keep_unsharded, release_unsharded, reshard
 from raymoe.rank.context import RankContext
 from raymoe.rank.contract import DecodeRequest
@@ -47,7 +46,8 @@ def forward_logits(
     mask = to_device(attention_mask_BS, ctx.device) if attention_mask_BS is not None else None
     documents = to_device(document_ids_BS, ctx.device) if document_ids_BS is not None else None
     last_B = to_device(_last_real(input_ids_BS, attention_mask_BS), ctx.device) if last_only else None
-    split = split_for_inference(loaded.sequence_split, input_ids_BS.shape[1], mask is not None or last_only)
+    shares = loaded.shares.for_inference(input_ids_BS.shape[1], padded=mask is not None or last_only)
+    split = shares.context
     for part in loaded.parts:
         part.eval()
 
@@ -55,7 +55,7 @@ def forward_logits(
         out: Tensor = part(inputs, None, mask, last_B, documents)
         return out
 
-    with split_sequences(loaded.parts, split):
+    with shares.applied(loaded.parts):
         logits = loaded.runner.forward(ctx, input_ids_BS, run)
     for part in loaded.parts:
         reshard(part)

@@ -30,6 +30,8 @@ from raymoe.parallel.context_parallel.split import ContextSplit
 from raymoe.parallel.fsdp import FsdpUnits, apply_fsdp
 from raymoe.parallel.packed_experts import pack_experts
 from raymoe.parallel.pipeline import paths_held, rules_held
+from raymoe.parallel.sequence_parallel import TpResidualSplit
+from raymoe.parallel.sequence_shares import SequenceShares
 from raymoe.parallel.sharding import Block, local_tensor, read_local_shard
 from raymoe.parallel.styles import ParallelStyle
 from raymoe.rank.adapters import fill_adapters
@@ -70,7 +72,7 @@ def load_shards(ctx: RankContext, spec: LaunchSpec) -> LoadReport:
             bytes_read += _read_shards(part, reader)
             if spec.lora is not None:
                 fill_adapters(part, spec.lora)
-    ctx.loaded = LoadedModel(runner, spec, policy, sequence_split=sequence_split(ctx, spec))
+    ctx.loaded = LoadedModel(runner, spec, policy, shares=sequence_shares(ctx, spec))
     trainable = [local_tensor(p) for part in runner.parts for p in part.parameters() if p.requires_grad]
     frozen = [local_tensor(p) for part in runner.parts for p in part.parameters() if not p.requires_grad]
     return LoadReport(
@@ -84,10 +86,13 @@ def load_shards(ctx: RankContext, spec: LaunchSpec) -> LoadReport:
     )
 
 
-def sequence_split(ctx: RankContext, spec: LaunchSpec) -> ContextSplit | None:
-    """The share of every row this rank runs on under context parallelism (None without it)."""
+def sequence_shares(ctx: RankContext, spec: LaunchSpec) -> SequenceShares:
+    """How this rank's forwards split sequences: its share of every row over the cp group (context parallelism) and
+    the residual stream's share over the tp group (sequence parallelism)."""
     config = spec.topology.config
-    return ContextSplit(ctx.mesh(Axis.CP), config.cp_mode) if config.splits_sequences else None
+    context = ContextSplit(ctx.mesh(Axis.CP), config.cp_mode) if config.splits_sequences else None
+    residual = TpResidualSplit(ctx.mesh(Axis.TP)) if config.enable_sequence_parallel else None
+    return SequenceShares(context, residual)
 
 
 def hold_in(model: CausalLM, policy: PrecisionPolicy, lora: LoraSpec | None = None) -> None:

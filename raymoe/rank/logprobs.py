@@ -14,7 +14,7 @@ from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.logprobs import predicted_entropy, target_logprobs, to_token_alignment
 from raymoe.models.common.loss import IGNORE_INDEX, next_in_row
 from raymoe.models.common.transfer import to_device
-from raymoe.parallel.context_parallel.split import ContextSplit, split_for_inference, split_sequences
+from raymoe.parallel.context_parallel.split import ContextSplit
 from raymoe.parallel.fsdp import reshard
 from raymoe.parallel.vocab_parallel import vocab_parallel_loss, whole
 from raymoe.rank.context import RankContext
@@ -36,13 +36,14 @@ def token_logprobs(
 
     Under context parallelism each cp rank computes its share (aligned with the positions that predict, so no
     share needs another's next token) and the shares are gathered, then aligned with the tokens; a forward that
-    cannot be split runs on the whole rows on every cp rank (:func:`split_for_inference`)."""
+    cannot be split runs on the whole rows on every cp rank (:meth:`SequenceShares.for_inference`)."""
     loaded = ctx.require_model()
     device = ctx.device
     mask = to_device(attention_mask_BS, device) if attention_mask_BS is not None else None
     documents = to_device(document_ids_BS, device) if document_ids_BS is not None else None
     routes = to_device(routes_BSLK, device) if routes_BSLK is not None else None
-    split = split_for_inference(loaded.sequence_split, input_ids_BS.shape[1], mask is not None)
+    shares = loaded.shares.for_inference(input_ids_BS.shape[1], padded=mask is not None)
+    split = shares.context
     for part in loaded.parts:
         part.eval()
     start_keeping(loaded.parts, request.return_routes)
@@ -53,7 +54,7 @@ def token_logprobs(
 
     try:
         answer: tuple[Tensor, Tensor | None] | None = None
-        with vocab_parallel_loss(loaded.parts[-1]), split_sequences(loaded.parts, split):
+        with vocab_parallel_loss(loaded.parts[-1]), shares.applied(loaded.parts):
             logits = loaded.runner.forward(ctx, input_ids_BS, run)
             if logits is not None:
                 targets = next_in_row(input_ids_BS, IGNORE_INDEX)

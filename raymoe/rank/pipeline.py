@@ -30,7 +30,6 @@ from torch.distributed.tensor import DTensor
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.kv_cache import KVCache
 from raymoe.models.common.transfer import to_device
-from raymoe.parallel.context_parallel.split import split_sequences
 from raymoe.parallel.vocab_parallel import vocab_parallel_loss
 from raymoe.rank.contract import MicroBatch
 from raymoe.rank.objective import field_names, micro_target, target_objective
@@ -145,7 +144,8 @@ class PipelineStages:
         stage, ``(0, None)`` elsewhere (on the device). Under context parallelism the stages run this rank's share of
         the rows and the last one's target is cut to it."""
         documents, routes = micro.document_ids, micro.routes
-        split = ctx.require_model().sequence_split
+        shares = ctx.require_model().shares
+        split = shares.context
         shape = (micro.input_ids.shape[0], micro.input_ids.shape[1], documents is not None, routes is not None)
         runtime = self._schedule(ctx, shape)
         runtime.loss.divisor, runtime.loss.policy = divisor, policy
@@ -158,7 +158,7 @@ class PipelineStages:
         target = to_device(micro_target(micro, policy, split), ctx.device)
         for part in self.parts:
             part.train()
-        with vocab_parallel_loss(self.parts[-1]), split_sequences(self.parts, split):
+        with vocab_parallel_loss(self.parts[-1]), shares.applied(self.parts):
             runtime.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         if not losses:  # not the last stage
             return torch.zeros((), device=ctx.device), None

@@ -26,7 +26,6 @@ from torch.distributed.tensor import DTensor
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.generation import Decoder
 from raymoe.models.common.transfer import to_device
-from raymoe.parallel.context_parallel.split import split_sequences
 from raymoe.parallel.vocab_parallel import vocab_parallel_loss
 from raymoe.rank.balance import Routing, aux_loss, collect_routing
 from raymoe.rank.contract import MicroBatch
@@ -137,17 +136,18 @@ class WholeModel:
         FSDP2 reduce-scatters each micro-batch's gradients as its backward ends, so they accumulate sharded (a
         rank never holds more than one unit's full gradients); with ``fsdp_defer_gradient_sync`` the full
         gradients accumulate unsharded and are reduced once, after the last micro-batch. Under context parallelism
-        each rank runs its share of every row (``loaded.sequence_split``); its loss covers its share's tokens."""
+        each rank runs its share of every row (``loaded.shares``); its loss covers its share's tokens."""
         model, balance = self.model, training.balance
         model.train()
         done = Backward(torch.zeros((), dtype=torch.float32, device=ctx.device))
         trains_aux = balance.aux_loss_coef > 0
         defer_sync = ctx.topology.config.fsdp_defer_gradient_sync
-        split = ctx.require_model().sequence_split
+        shares = ctx.require_model().shares
+        split = shares.context
         for index, micro in enumerate(micro_batches):
             if defer_sync and isinstance(model, FSDPModule):
                 model.set_requires_gradient_sync(index == len(micro_batches) - 1)
-            with vocab_parallel_loss(model), split_sequences(self.parts, split):
+            with vocab_parallel_loss(model), shares.applied(self.parts):
                 micro_loss, stats = micro_objective(model, micro, ctx.device, policy, split)
                 # FSDP2 sums the gradients over data-parallel ranks (raymoe.parallel.fsdp): one process's gradient.
                 objective = micro_loss / divisor

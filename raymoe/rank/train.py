@@ -98,7 +98,7 @@ def train_step(
     bias_rate = training.balance.bias_update_rate
     if load_LE is not None and bias_rate is not None:
         update_selection_bias(loaded.model, sum_over_batches(load_LE.double(), ctx), bias_rate)
-    return _step_result(done, norm, answers=ctx.answers_for_batch, split=loaded.sequence_split)
+    return _step_result(done, norm, answers=ctx.answers_for_batch, split=loaded.shares.context)
 
 
 def _callable_scale(ctx: RankContext, done: Backward) -> Tensor:

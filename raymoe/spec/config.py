@@ -181,12 +181,20 @@ class DistributedConfig(BaseModel):
             )
 
     def _check_sequence_parallel(self, tp_size: int) -> None:
-        """CFG-9: sequence parallelism splits the sequence over the tp group, so it needs one."""
-        if self.enable_sequence_parallel and tp_size == 1:
+        """CFG-9: sequence parallelism splits the sequence over the tp group, so it needs one; not with pipelines."""
+        if not self.enable_sequence_parallel:
+            return
+        if tp_size == 1:
             raise _rule_error(
                 "CFG-9",
                 "enable_sequence_parallel=True splits norms and the residual stream along the sequence over the tp "
                 "group, but tp_size=1; set tp_size > 1 (to split sequences over ranks without TP, use cp_size)",
+            )
+        if self._pp > 1:
+            raise _rule_error(
+                "CFG-9",
+                f"enable_sequence_parallel=True with pp_size={self.pp_size} is not implemented (pipeline stages pass "
+                "whole-sequence activations); use pp_size=1, or cp_size to split sequences over ranks with pipelines",
             )
 
     def _translate_enable_expert_parallel(self) -> None:
@@ -408,9 +416,18 @@ class DistributedConfig(BaseModel):
 
     def check_sequence_length(self, length: int) -> None:
         """A ``ValueError`` unless rows of ``length`` tokens split over the cp ranks (``2 * cp_size`` equal chunks:
-        the load-balanced split of :mod:`raymoe.parallel.context_parallel.chunks`); nothing to check without cp."""
+        the load-balanced split of :mod:`raymoe.parallel.context_parallel.chunks`) and, with sequence parallelism,
+        each cp rank's share over the tp ranks; nothing to check without either."""
         if self.splits_sequences:
             check_splittable(length, self._cp)
+        tp = self._resolved_tp_size()
+        if self.enable_sequence_parallel and (length // self._cp) % tp:
+            held = "" if self._cp == 1 else f" (each cp rank's share of {length // self._cp})"
+            raise ValueError(
+                f"a sequence of {length} tokens{held} does not split over tp_size={tp}: enable_sequence_parallel "
+                f"splits the residual stream along the sequence into {tp} equal shares [CFG-9]; pad the rows on the "
+                "right to a multiple of it"
+            )
 
     def resolve(self, world_size: int) -> DistributedConfig:
         """This config bound to ``world_size`` ranks: fills a deferred tp_size and checks CFG-1."""

@@ -41,7 +41,7 @@ from typing import Literal
 from torch import nn
 
 from raymoe.models.common.lora import lora_factors
-from raymoe.models.common.plans import DefaultPlans
+from raymoe.models.common.plans import SEQUENCE_PARALLEL_TP, DefaultPlans
 from raymoe.parallel.styles import STYLES, ExpertRole, ParallelStyle, check_style_name
 from raymoe.spec.config import DistributedConfig, ExpertMode
 
@@ -96,7 +96,8 @@ def resolve_plans(
     names = _ModelNames(model)
     tp_active, ep_active = config.tp_size > 1, (config.ep_size or 1) > 1
 
-    tp_plan = _merge("tp", defaults.tp, config.tp_plan, names)
+    default_tp = {**defaults.tp, **SEQUENCE_PARALLEL_TP} if config.enable_sequence_parallel else defaults.tp
+    tp_plan = _merge("tp", default_tp, config.tp_plan, names)
     ep_plan = _merge("ep", defaults.ep, config.ep_plan, names)
     fsdp_plan = _merge("fsdp", defaults.fsdp, config.fsdp_plan, names)
     _check_styles("tp", _overrides(config.tp_plan), registry)  # bad input fails even where unused

@@ -27,7 +27,7 @@ from raymoe.models.common.norm import RMSNorm
 from raymoe.models.common.packing import pack_documents
 from raymoe.models.common.plans import DefaultPlans
 from raymoe.models.common.rope import rope_cos_sin
-from raymoe.models.common.sequence_split import SequenceSplit, TokenLayout
+from raymoe.models.common.sequence_split import ResidualSplit, SequenceSplit, TokenLayout
 from raymoe.models.moe import GroupedExperts, TopKRouter
 from raymoe.models.moe.packed import packed_companions
 
@@ -55,14 +55,21 @@ class DecoderLayer(nn.Module):
         key_mask_BL: Tensor | None = None,
         layout: TokenLayout | None = None,
         routes_BSK: Tensor | None = None,
+        residual: ResidualSplit | None = None,
     ) -> Tensor:
         """``layout``: packed rows or a split row (:mod:`raymoe.models.common.sequence_split`); ``routes [B, S, K]``:
-        replayed expert ids for a sparse layer's router (None: its own choice)."""
+        replayed expert ids for a sparse layer's router (None: its own choice); ``residual``: ``x`` is a share of the
+        sequence (sequence parallelism), and so is the output."""
         attn_in_BSH = self.input_layernorm(x_BSH)
-        h_BSH = x_BSH + self.self_attn(attn_in_BSH, cos_SD, sin_SD, cache, start, key_mask_BL, layout)
+        if residual is not None:
+            attn_in_BSH = residual.whole(attn_in_BSH)
+        attn_BSH = self.self_attn(attn_in_BSH, cos_SD, sin_SD, cache, start, key_mask_BL, layout)
+        h_BSH = x_BSH + (residual.share(attn_BSH) if residual is not None else attn_BSH)
         mlp_in_BSH = self.post_attention_layernorm(h_BSH)
+        if residual is not None:
+            mlp_in_BSH = residual.whole(mlp_in_BSH)
         mlp_BSH = self.mlp(mlp_in_BSH) if routes_BSK is None else self.mlp(mlp_in_BSH, routes_BSK)
-        out_BSH: Tensor = h_BSH + mlp_BSH
+        out_BSH: Tensor = h_BSH + (residual.share(mlp_BSH) if residual is not None else mlp_BSH)
         return out_BSH
 
 
@@ -83,11 +90,15 @@ class DecoderModel(nn.Module):
     With ``sequence_split`` set (context parallelism, for the duration of a forward: ``raymoe.parallel``'s
     ``split_sequences``), a forward runs on the split's share of every row: token ids, ``document_ids`` and
     ``routes`` come as full rows (ids are cut before the embedding), hidden states in and out are the share only.
+    With ``residual_split`` set too (sequence parallelism), the residual stream between the embedding and the final
+    norm is a share of that along the sequence (:class:`~raymoe.models.common.sequence_split.ResidualSplit`); the
+    head gets the whole of it.
     """
 
     embed_tokens: nn.Embedding | None
     norm: RMSNorm | None
     sequence_split: SequenceSplit | None
+    residual_split: ResidualSplit | None
 
     def __init__(self, config: ModelConfig, layers: list[DecoderLayer]) -> None:
         super().__init__()
@@ -96,6 +107,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.sequence_split = None
+        self.residual_split = None
 
     def forward(
         self,
@@ -141,17 +153,22 @@ class DecoderModel(nn.Module):
         else:
             positions, key_mask_BL = _positions(x_BSH.shape[:2], x_BSH.device, cache, attention_mask_BS, start)
         cos_SD, sin_SD = rope_cos_sin(self.config.rope, self.config.rope_dim, positions, x_BSH.dtype)
+        residual = self.residual_split
+        if residual is not None:
+            if cache is not None or self.embed_tokens is None or self.norm is None:
+                raise ValueError("a residual stream split along the sequence takes a whole model and no KV cache")
+            x_BSH = residual.share(x_BSH)
         slots = self.config.sparse_slots() if routes_BSLK is not None else {}
         for i, layer in enumerate(self.layers):
             layer_cache = cache.layers[i] if cache is not None else None
             routes_BSK = routes_BSLK[:, :, slots[i]] if routes_BSLK is not None and i in slots else None
-            x_BSH = layer(x_BSH, cos_SD, sin_SD, layer_cache, start, key_mask_BL, layout, routes_BSK)
+            x_BSH = layer(x_BSH, cos_SD, sin_SD, layer_cache, start, key_mask_BL, layout, routes_BSK, residual)
         if cache is not None:
             cache.advance(x_BSH.shape[1])
         if self.norm is None:
             return x_BSH
         out_BSH: Tensor = self.norm(x_BSH)
-        return out_BSH
+        return residual.whole(out_BSH) if residual is not None else out_BSH
 
 
 def _positions(

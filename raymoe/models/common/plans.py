@@ -54,6 +54,13 @@ EXPERTS_EP = {
     "model.layers.*.mlp.experts": "ep_dispatch_experts",
 }
 LM_HEAD_TP = {"lm_head": "colwise_gather_output"}
+# Sequence parallelism (enable_sequence_parallel): the norms run on a share of the sequence, so their weights'
+# gradients are summed over the tp group. Every family's decoder has these norms.
+SEQUENCE_PARALLEL_TP = {
+    "model.layers.*.input_layernorm": "sequence_parallel",
+    "model.layers.*.post_attention_layernorm": "sequence_parallel",
+    "model.norm": "sequence_parallel",
+}
 
 
 def shared_experts_tp(name: str) -> dict[str, str]:

@@ -1,17 +1,16 @@
 """A rank's share of every row over its cp group, as the decoder runs it (context parallelism, ``cp_size > 1``).
 
-:class:`ContextSplit` is what the rank code sets on each model part's ``DecoderModel.sequence_split`` for the
-duration of a forward (:func:`split_sequences`). The decoder then cuts the token ids (and replayed routes) of the
-whole rows it is given to this rank's chunks (:mod:`.chunks`), takes every token's RoPE position from the whole row
-(a packed document's restart at its start), and each layer attends through the split's layout: the ring
-(:mod:`.ring`) or the all-to-all (:mod:`.all_to_all`), by ``cp_mode``. What the rank code feeds the loss is cut the
-same way (:meth:`ContextSplit.cut`), and what it answers is put back in row order (:meth:`ContextSplit.gather`).
+A :class:`ContextSplit` is what the rank code sets on each model part's ``DecoderModel.sequence_split`` for the
+duration of a forward (:class:`raymoe.parallel.sequence_shares.SequenceShares`). The decoder then cuts the token ids
+(and replayed routes) of the whole rows it is given to this rank's chunks (:mod:`.chunks`), takes every token's RoPE
+position from the whole row (a packed document's restart at its start), and each layer attends through the split's
+layout: the ring (:mod:`.ring`) or the all-to-all (:mod:`.all_to_all`), by ``cp_mode``. What the rank code feeds the
+loss is cut the same way (:meth:`ContextSplit.cut`), and what it answers is put back in row order
+(:meth:`ContextSplit.gather`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +18,6 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.packing import pack_documents
 from raymoe.models.common.row_attention import AttentionRule
 from raymoe.parallel.context_parallel import ContextParallelMode
@@ -119,24 +117,3 @@ def document_runs(document_ids_BS: Tensor) -> tuple[Tensor, Tensor]:
     index_S = torch.arange(document_ids_BS.shape[1], device=document_ids_BS.device)
     first_BS = torch.where(starts_BS, index_S, torch.zeros_like(index_S)).cummax(dim=1).values
     return starts_BS.cumsum(dim=1), index_S - first_BS
-
-
-def split_for_inference(split: ContextSplit | None, width: int, padded: bool) -> ContextSplit | None:
-    """The split an inference forward runs on: ``split`` where rows of ``width`` tokens cut into its chunks and carry
-    no padding mask; otherwise None (every cp rank runs the whole rows, with the same result)."""
-    return split if split is not None and split.fits(width) and not padded else None
-
-
-@contextmanager
-def split_sequences(parts: Sequence[CausalLM], split: ContextSplit | None) -> Iterator[ContextSplit | None]:
-    """Within the block, forwards of ``parts`` run on ``split``'s share of every row (nothing changes for None)."""
-    if split is None:
-        yield None
-        return
-    for part in parts:
-        part.model.sequence_split = split
-    try:
-        yield split
-    finally:
-        for part in parts:
-            part.model.sequence_split = None
