@@ -226,6 +226,10 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {(named or lines)[-1][:240]}"
 
 
+def failed_text(error: str | None) -> str:
+    return error if error and error.startswith("not run") else f"failed: {error}"
+
+
 class Worlds:
     """One Ray world at a time, of the size asked; started again when a rank failure ended it."""
 
@@ -297,7 +301,7 @@ def measure_layout(name: str, directory: Path, dims: Dims, worlds: Worlds, args:
             row = Row(name, seq, size, config)
             rows.append(row)
             if failed is not None:
-                row.error = f"not run: {failed}"
+                row.error = failed
                 continue
             began = time.perf_counter()
             try:
@@ -306,7 +310,8 @@ def measure_layout(name: str, directory: Path, dims: Dims, worlds: Worlds, args:
                 measure_row(model, row, dims, steps)
             except Exception as exc:  # a layout that cannot run (yet) is a row with its error, not the end
                 row.error = one_line(exc)
-                failed = f"{seq} failed" if row.ranks or model is not None else row.error
+                # loading failed: so would every length; a step failed: a longer one is not tried
+                failed = row.error if model is None else f"not run: the {seq}-token step failed"
                 if model is not None:
                     shut_down(model)
                     model = None
@@ -320,7 +325,7 @@ def measure_layout(name: str, directory: Path, dims: Dims, worlds: Worlds, args:
                     flush=True,
                 )
             else:
-                print(f"  {name:15s} S={seq:6d}: failed: {row.error}", flush=True)
+                print(f"  {name:15s} S={seq:6d}: {failed_text(row.error)}", flush=True)
     finally:
         if model is not None:
             model.shutdown()
@@ -362,6 +367,8 @@ def run(args: argparse.Namespace, dims: Dims, report: dict[str, Any]) -> None:
         object_store_memory=512 * MIB,
     )  # fmt: skip
     ray.cloudpickle.register_pickle_by_value(bench_lora)  # its rank-side helpers travel by value to the ranks
+    if __name__ != "__main__":  # imported (not run as a script): this module's rank functions travel by value too
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     order = sorted(args.layouts, key=lambda name: (world_of(LAYOUTS[name]), list(LAYOUTS).index(name)))
     worlds = Worlds(args.collective_timeout)
     rows: list[Row] = []
@@ -490,7 +497,7 @@ def markdown(report: dict[str, Any]) -> str:
             if row is None:
                 continue
             if not row.ok:
-                lines.append(f"| {layout} | {row.world} | failed: {row.error} | | | | |")
+                lines.append(f"| {layout} | {row.world} | {failed_text(row.error)} | | | | |")
                 continue
             ratio = growth_ratio(rows, layout, seq)
             versus = "" if ratio is None else f"{ratio:.3f}x" + (" (vs tp2)" if layout == "tp2+sp" else "")
@@ -579,7 +586,7 @@ def main() -> None:
     parser.add_argument("--steps", nargs="+", type=int, help=f"timed steps at each length, or one for all ({STEPS})")
     parser.add_argument("--budget-gib", type=float, default=8.0, help="per-rank memory for the longest-sequence fit")
     parser.add_argument("--verify", action="store_true", help="train cp1 once at its extrapolated budget length")
-    parser.add_argument("--collective-timeout", type=float, default=900.0, help="seconds (a 32k step takes minutes)")
+    parser.add_argument("--collective-timeout", type=float, default=1800.0, help="seconds (a 32k step takes minutes)")
     parser.add_argument("--quick", action="store_true", help=f"a narrower model at {QUICK_LENGTHS}, to a temp dir")
     parser.add_argument("--out", help="default benchmarks/results (--quick: a new temporary directory)")
     parser.add_argument("--report", action="store_true", help="rewrite --out's bench_long.md from its bench_long.json")

@@ -70,7 +70,8 @@ def token_logprobs(
         for part in loaded.parts:
             reshard(part)
     if split is not None:
-        answer, kept = _gathered(split, answer), {slot: split.gather(ids) for slot, ids in kept.items()}
+        # int16 routes travel as int32: neither gloo nor NCCL reduces or gathers 16-bit integers
+        answer, kept = _gathered(split, answer), {s: split.gather(ids.int()).to(ids.dtype) for s, ids in kept.items()}
     routes_out = assemble_routes(ctx, kept, request.num_slots) if request.return_routes else None
     if answer is None or not ctx.answers_for_batch:
         return None

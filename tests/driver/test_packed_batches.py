@@ -1,7 +1,10 @@
-"""Document-masked packed batches on 4 ranks (tp2 x fsdp2, fsdp2 x ep2) against transformers in one process.
+"""Document-masked packed batches on 4 ranks (tp2 x fsdp2, fsdp2 x ep2, and context parallelism: cp2 x fsdp2,
+cp4, cp2 x tp2 all-to-all) against transformers in one process.
 
 gpt-oss covers the attention variants that must act inside each document: sliding windows, attention sinks
 (split over tp with their heads) and routed experts dispatched over ep. The reference runs every document alone.
+Under context parallelism the rows' 24 tokens are cut into chunks of 6 (cp2) or 3 (cp4): every row has documents
+that cross chunk boundaries, so a document's tokens sit on several ranks and attend across them.
 """
 
 from __future__ import annotations
@@ -51,8 +54,14 @@ def reference_loss(hf_model, documents: list[torch.Tensor]) -> tuple[torch.Tenso
 
 @pytest.mark.parametrize(
     "config",
-    [{"tp_size": 2, "fsdp_size": 2}, {"fsdp_size": 2, "ep_size": 2, "dp_replicate_size": 2}],
-    ids=["tp2_fsdp2", "fsdp2_ep2"],
+    [
+        {"tp_size": 2, "fsdp_size": 2},
+        {"fsdp_size": 2, "ep_size": 2, "dp_replicate_size": 2},
+        {"cp_size": 2, "fsdp_size": 2, "ep_size": 2},
+        {"cp_size": 4},
+        {"cp_size": 2, "tp_size": 2, "cp_mode": "all_to_all"},
+    ],
+    ids=["tp2_fsdp2", "fsdp2_ep2", "cp2_fsdp2_ep2", "cp4", "cp2_tp2_all_to_all"],
 )
 def test_packed_batches_train_as_each_document_alone(load_on_world, tiny_checkpoint, load_hf_model, config):
     directory = tiny_checkpoint(FAMILY)

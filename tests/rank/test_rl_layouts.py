@@ -21,14 +21,21 @@ LAYOUTS = {
     "tp4-ep4-masked": {"tp_size": 4, "ep_size": 4, "ep_plan": MASKED},
     "dp_replicate2-fsdp2-ep2": {"dp_replicate_size": 2, "fsdp_size": 2, "ep_size": 2},
     "pp2-tp2": {"pp_size": 2, "tp_size": 2},
+    # context parallelism (issue 32): every row split over the cp ranks (8 tokens: chunks of 2 under cp4)
+    "cp2-fsdp2-ep4": {"cp_size": 2, "fsdp_size": 2, "ep_size": 4},
+    "cp4-all_to_all": {"cp_size": 4, "cp_mode": "all_to_all"},
+    "cp2-tp2-sp": {"cp_size": 2, "tp_size": 2, "enable_sequence_parallel": True},
 }
 CASES = [(QWEN, layout) for layout in LAYOUTS] + [
     ("gptoss_e4_k3_gqa2_window5", "tp2-fsdp2"),
     ("gptoss_e4_k3_gqa2_window5", "pp2-tp2"),
+    ("gptoss_e4_k3_gqa2_window5", "cp2-fsdp2-ep4"),
     ("deepseekv3_e8_k3_groups_qlora_yarn", "fsdp4-ep4"),
     ("deepseekv3_e8_k3_groups_qlora_yarn", "pp2-tp2"),
+    ("deepseekv3_e8_k3_groups_qlora_yarn", "cp2-tp2-sp"),
 ]
 ROWS, SEQ = 8, 7
+CP_SEQ = 8  # a multiple of 2 * cp_size (and of tp_size on each cp rank's share)
 
 
 def distinct_routes(shape, num_experts, seed):
@@ -44,21 +51,22 @@ def test_rl_primitives_equal_one_process(name, layout, tiny_checkpoint, load_on_
     config = dict(LAYOUTS[layout])
     if "pp_size" in config and name != QWEN:
         config["pp_size"] = 2
+    seq = CP_SEQ if "cp_size" in config else SEQ
     with load_on_world(ckpt, config) as model:
         moe = model.model_config.moe
         vocab, slots, k = model.model_config.vocab_size, len(model.model_config.sparse_slots()), moe.num_experts_per_tok
-        ids, mask, adv = plain_rl.rollout(vocab, rows=ROWS, seq=SEQ, seed=11)
+        ids, mask, adv = plain_rl.rollout(vocab, rows=ROWS, seq=seq, seed=11)
 
         # log-probs and entropy, any B (5 rows over the data-parallel batches)
         got = model.logprobs(ids[:5], temperature=0.8, return_entropy=True, return_routed_experts=True)
         with torch.no_grad():
             torch.testing.assert_close(got.logprobs, plain_rl.logprobs(hf, ids[:5], 0.8), atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(got.entropy, plain_rl.entropy(hf, ids[:5], 0.8), atol=1e-5, rtol=1e-5)
-        assert got.routed_experts.shape == (5, SEQ, slots, k)
+        assert got.routed_experts.shape == (5, seq, slots, k)
 
         # replaying the recorded routes reproduces the forward exactly; other routes equal transformers forced
         assert torch.equal(model.logprobs(ids[:5], temperature=0.8, routed_experts=got.routed_experts), got.logprobs)
-        routes = distinct_routes((ROWS, SEQ, slots, k), moe.num_experts, seed=12)
+        routes = distinct_routes((ROWS, seq, slots, k), moe.num_experts, seed=12)
         forced = lambda: plain_rl.forced(routes, moe.num_experts, k)  # noqa: E731
         with torch.no_grad(), forced():
             expected = plain_rl.logprobs(hf, ids)

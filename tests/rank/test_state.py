@@ -36,6 +36,13 @@ MOVES = {
     "pp2_tp2_to_fsdp2": ({"pp_size": 2, "tp_size": 2}, {"fsdp_size": 2}),
     "fsdp2_ep2_to_pp2_fsdp2": ({"fsdp_size": 2, "ep_size": 2}, {"pp_size": 2, "fsdp_size": 2}),
 }
+# context parallelism (issue 32): parameters shard over fsdp x cp; a state saved with one cp size loads under another
+CP_SEQ = 16  # a multiple of 2 * cp_size for cp 2 and 4
+CP_MOVES = {
+    "cp2_fsdp2_ep4_to_cp4": ({"cp_size": 2, "fsdp_size": 2, "ep_size": 4}, {"cp_size": 4}),
+    "cp4_to_fsdp2_ep2": ({"cp_size": 4}, {"fsdp_size": 2, "ep_size": 2}),
+    "fsdp2_to_cp2_tp2_sp": ({"fsdp_size": 2}, {"cp_size": 2, "tp_size": 2, "enable_sequence_parallel": True}),
+}
 
 
 def _full_weights(ctx) -> dict[str, torch.Tensor]:
@@ -66,27 +73,27 @@ def straight_run(load_on_world, tiny_checkpoint, padded_batches):
     """Six steps on one rank: the losses and final weights every resumed run must reproduce."""
     results = {}
 
-    def run(name: str):
-        if name not in results:
+    def run(name: str, seq: int = SEQ):
+        if (name, seq) not in results:
             directory = tiny_checkpoint(name)
             vocab = json.loads((directory / "config.json").read_text())["vocab_size"]
-            data = padded_batches(vocab, steps=STEPS, rows=ROWS, seq=SEQ)
+            data = padded_batches(vocab, steps=STEPS, rows=ROWS, seq=seq)
             with load_on_world(directory, {}) as model:
                 _configure(model)
                 losses = _train(model, data, range(STEPS))
                 weights = model.run_on_ranks(_full_weights)[0]
-            results[name] = (data, losses, weights)
-        return results[name]
+            results[name, seq] = (data, losses, weights)
+        return results[name, seq]
 
     return run
 
 
-@pytest.mark.parametrize("move", list(MOVES))
+@pytest.mark.parametrize("move", list(MOVES) + list(CP_MOVES))
 def test_resume_under_another_layout_equals_the_straight_run(
     move, straight_run, load_on_world, tiny_checkpoint, tmp_path
 ):
-    before, after = MOVES[move]
-    data, losses, weights = straight_run(MOE)
+    before, after = MOVES[move] if move in MOVES else CP_MOVES[move]
+    data, losses, weights = straight_run(MOE, SEQ if move in MOVES else CP_SEQ)
     state = tmp_path / "state"
     with load_on_world(tiny_checkpoint(MOE), before) as model:
         _configure(model)
