@@ -35,18 +35,23 @@ exist from there on); then, at each length in turn, shortest first:
                 the table shows the largest rank's value of each column. This step is also the length's warm-up
                 for the timing
     tokens/s    label tokens (``S - 1``) per second of a driver ``model.train_step(ids)``, the median of ``--steps``
-                steps (fewer at the longer lengths: a 32k step takes minutes on 2 cores)
+                steps (3 / 2 / 1 at 4k / 16k / 32k: a 32k step at cp1 takes about 5 minutes on one core)
 
 Compared within the run: step growth of each cp row against cp1 at the same length, of tp2+sp against tp2.
 The longest sequence that trains in 8 GiB (``--budget-gib``) per rank is **extrapolated**, not measured: per
 layout, a least-squares line ``peak(S) = a + b * S`` through the measured largest-rank step peaks at the lengths
 (the attention kernels, fused SDPA blocks with their log-sum-exp, hold memory linear in ``S``), solved for
 ``peak = 8 GiB``. ``--verify`` then trains cp1 at that length (rounded down to 1024) once and reports the measured
-peak beside the prediction (slow: the step is longer than the 32k one).
+peak beside the prediction (slow: that step is longer than a 32k one).
 
-    .venv/bin/python benchmarks/bench_long.py            # the committed table: about 1.5 h on 2 idle cores
-    .venv/bin/python benchmarks/bench_long.py --verify   # and the cp1 check of the 8 GiB length (~20 min more)
-    .venv/bin/python benchmarks/bench_long.py --quick    # ~5 min smoke run: a narrow model at 512 / 1024 / 2048
+Memory and time of a full run, estimated from cp1 / cp2 / cp4 / tp2 at 2k and 4k (growth grows linearly: cp1
+~185 KiB a token, cp2 ~82 KiB + ~190 MiB, cp4 ~37 KiB + ~200 MiB, tp2 ~145 KiB): the largest rank peaks at
+~6.4 GiB of tensors (cp1 at 32k), the machine at ~11 GiB in all (tp2 at 32k: two ranks of ~4.9 GiB, plus each
+process's baseline); ``--verify`` holds ~8 GiB on its one rank. The 32k rows take most of the time.
+
+    .venv/bin/python benchmarks/bench_long.py            # the committed table: about 1-1.5 h on 2 idle cores
+    .venv/bin/python benchmarks/bench_long.py --verify   # and the cp1 check of the 8 GiB length (~10 min more)
+    .venv/bin/python benchmarks/bench_long.py --quick    # ~2 min smoke run: a narrow model at 512 / 1024 / 2048
     .venv/bin/python benchmarks/bench_long.py --report   # rewrite bench_long.md from bench_long.json
 
 A full run writes ``--out`` (default benchmarks/results)/bench_long.json and bench_long.md, after every row;

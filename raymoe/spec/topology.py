@@ -13,21 +13,23 @@ same ranks (a rank's id is the same in both)::
 A pipeline stage (pp coordinate) is a block of ``fsdp_size * cp_size * tp_size`` consecutive ranks inside its
 replica; the TOPO rules below hold inside each stage.
 
-Context parallelism (``cp_size > 1``): the cp ranks of a batch hold the same rows, each a share of every sequence
-(chunks ``c`` and ``2 * cp_size - 1 - c`` of ``2 * cp_size``, :mod:`raymoe.parallel.context_parallel`); the answering
-rank is the batch's first (cp 0, tp 0) of the last stage::
-
-    cp=2, fsdp=2, tp=1, a row of 8 chunks' worth of tokens: c0 c1 c2 c3
-    rank     0       1       2       3
-    batch    [==B0==========]  [==B1==========]
-    cp       0       1       0       1
-    chunks   c0 c3   c1 c2   c0 c3   c1 c2 Every stage of a replica sees the same batches:
-the first stage reads the token ids, the last the labels, and the last stage's first tp rank answers::
+Every stage of a replica sees the same batches: the first stage reads the token ids, the last the labels, and the
+last stage's first tp rank answers::
 
     pp=2, fsdp=2, tp=1
     rank     0    1    2    3
     stage    0    0    1    1        layers split between the stages (raymoe.spec.pipeline)
     batch    B0   B1   B0   B1       rank 0 sends its activations to rank 2, rank 1 to rank 3
+
+Context parallelism (``cp_size > 1``): the cp ranks of a batch hold the same rows, each a share of every sequence
+(chunks ``c`` and ``2 * cp_size - 1 - c`` of ``2 * cp_size``, :mod:`raymoe.parallel.context_parallel`); the answering
+rank is the batch's first (cp 0, tp 0) of the last stage::
+
+    cp=2, fsdp=2, tp=1, every row cut into 4 chunks c0 c1 c2 c3
+    rank     0       1       2       3
+    batch    [=====B0=====]  [=====B1=====]
+    cp       0       1       0       1
+    chunks   c0 c3   c1 c2   c0 c3   c1 c2
 
 tp=2, fsdp=4, 8 experts (SPEC TOPO-3)::
 

@@ -113,7 +113,7 @@ def test_exception_on_one_rank_names_it_and_tears_everything_down(ray_session):
     assert error.rank == 2 and error.function == "fail_on_rank_two"
     message = str(error)
     assert message.startswith(
-        "rank 2 (dp_replicate=0, pp=0, fsdp=1, tp=0, ep=0, efsdp=1) failed in fail_on_rank_two: "
+        "rank 2 (dp_replicate=0, pp=0, fsdp=1, cp=0, tp=0, ep=0, efsdp=1) failed in fail_on_rank_two: "
         "ValueError: bad shard on purpose"
     )
     assert (

@@ -50,11 +50,11 @@ def test_a_rank_missing_from_a_tp_collective_is_named_with_its_sub_mesh():
     diagnosis = diagnose("train_step", reports, TP2_FSDP2, 31.0)
     assert diagnosis.absent == (1,) and diagnosis.frozen == () and diagnosis.culprits == (1,)
     assert (
-        "rank 1 (dp_replicate=0, pp=0, fsdp=0, tp=1, ep=0, efsdp=1) never reached the collective" in diagnosis.message
+        "rank 1 (dp_replicate=0, pp=0, fsdp=0, cp=0, tp=1, ep=0, efsdp=1) never reached the collective" in diagnosis.message
     )
     assert "running train_step, in no collective" in diagnosis.message
     assert (
-        "rank 0 (dp_replicate=0, pp=0, fsdp=0, tp=0, ep=0, efsdp=0) waited 30 s in all_reduce #17 on the tp sub-mesh"
+        "rank 0 (dp_replicate=0, pp=0, fsdp=0, cp=0, tp=0, ep=0, efsdp=0) waited 30 s in all_reduce #17 on the tp sub-mesh"
         in (diagnosis.message)
     )
 
@@ -68,7 +68,7 @@ def test_a_silent_rank_is_frozen_and_ranks_in_other_groups_are_not_blamed():
     }
     diagnosis = diagnose("train_step", reports, TP2_FSDP2, 25.0)
     assert diagnosis.frozen == (2,) and diagnosis.absent == ()
-    assert "rank 2 (dp_replicate=0, pp=0, fsdp=1, tp=0, ep=0, efsdp=2) stopped responding" in diagnosis.message
+    assert "rank 2 (dp_replicate=0, pp=0, fsdp=1, cp=0, tp=0, ep=0, efsdp=2) stopped responding" in diagnosis.message
     assert [w.axis for w in diagnosis.waiting] == ["fsdp", "fsdp"]
 
 
@@ -134,7 +134,7 @@ def test_a_frozen_rank_is_named_within_40_s_and_nothing_is_left(ray_session, tin
     print(f"frozen rank named after {took:.1f} s")  # shown with -s
     assert took < 40
     message = str(caught.value)
-    assert "rank 1 (dp_replicate=0, pp=0, fsdp=0, tp=1, ep=0, efsdp=1) stopped responding" in message, message
+    assert "rank 1 (dp_replicate=0, pp=0, fsdp=0, cp=0, tp=1, ep=0, efsdp=1) stopped responding" in message, message
     assert caught.value.diagnosis.frozen == (1,) and caught.value.diagnosis.culprits == (1,), message
     assert not model.is_alive
     deadline = time.monotonic() + 30
@@ -177,7 +177,7 @@ def test_a_rank_that_skips_a_collective_is_named_with_the_sub_mesh_and_collectiv
     assert time.monotonic() - began < 30
     message = str(caught.value)
     assert caught.value.diagnosis.absent == (1,), message
-    assert "rank 1 (dp_replicate=0, pp=0, fsdp=0, tp=1, ep=0, efsdp=1) never reached the collective" in message
+    assert "rank 1 (dp_replicate=0, pp=0, fsdp=0, cp=0, tp=1, ep=0, efsdp=1) never reached the collective" in message
     assert "running rank_one_skips_the_tp_all_reduce" in message
     assert "waited" in message and "all_reduce #" in message and "on the tp sub-mesh" in message
     assert not group.is_alive

@@ -198,7 +198,7 @@ def test_chat_data_trains_on_the_assistant_answers_only(ray_session, finetune, t
 def test_a_rank_failure_is_one_line_unless_debugging(finetune, monkeypatch, capsys, debug):
     from actors import RankError
 
-    message = "rank 1 (dp_replicate=0, pp=0, fsdp=1, tp=0) failed in train_step: RuntimeError: boom"
+    message = "rank 1 (dp_replicate=0, pp=0, fsdp=1, cp=0, tp=0) failed in train_step: RuntimeError: boom"
     remote = 'Traceback (most recent call last):\n  File "train.py", line 1\nRuntimeError: boom'
 
     def fail(args):

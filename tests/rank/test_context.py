@@ -123,5 +123,5 @@ def test_a_local_gloo_world_gives_every_sub_mesh_group_the_timeout_through_its_o
         (seen,) = group.execute(_group_timeouts)
     finally:
         group.shutdown()
-    assert set(seen) == {"world", "dp_replicate", "pp", "fsdp", "tp", "efsdp", "ep"}
+    assert set(seen) == {"world", "dp_replicate", "pp", "fsdp", "cp", "tp", "efsdp", "ep"}
     assert set(seen.values()) == {77.0}, seen
