@@ -142,6 +142,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     layout.add_argument("--ep-size", type=int, help="expert-parallel degree")
     layout.add_argument("--dp-replicate-size", type=int, help="HSDP replicas (nodes)")
     layout.add_argument(
+        "--cp-size",
+        type=int,
+        help="context-parallel degree: ranks that split every sequence (long sequences; --seq-len a multiple of "
+        "2 * cp-size)",
+    )
+    layout.add_argument(
+        "--cp-mode",
+        choices=("ring", "all_to_all"),
+        help="attention across the split: key/value blocks around the ring (any head count) or all-to-all between "
+        "sequence and heads (heads per tp rank divisible by --cp-size) (default: ring)",
+    )
+    layout.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="Megatron-style sequence parallelism inside TP: norms and the residual stream split along the sequence "
+        "over the tp group (needs --tp-size > 1)",
+    )
+    layout.add_argument(
         "--activation-checkpointing",
         choices=("none", "full", "selective"),
         default="none",
@@ -304,7 +322,7 @@ def number(text: str) -> int | float:
     return int(value) if value.is_integer() else value
 
 
-def layout_of(args: argparse.Namespace) -> dict[str, int | str]:
+def layout_of(args: argparse.Namespace) -> dict[str, int | str | bool]:
     """DEFAULT_LAYOUT with the sizes given on the command line replacing its entries (and activation
     checkpointing, when asked for)."""
     given = {
@@ -312,13 +330,17 @@ def layout_of(args: argparse.Namespace) -> dict[str, int | str]:
         "fsdp_size": args.fsdp_size,
         "ep_size": args.ep_size,
         "dp_replicate_size": args.dp_replicate_size,
+        "cp_size": args.cp_size,
+        "cp_mode": args.cp_mode,
     }
-    layout: dict[str, int | str] = {
+    layout: dict[str, int | str | bool] = {
         **DEFAULT_LAYOUT,
         **{name: size for name, size in given.items() if size is not None},
     }
     if args.activation_checkpointing != "none":
         layout["activation_checkpointing"] = args.activation_checkpointing
+    if args.sequence_parallel:
+        layout["enable_sequence_parallel"] = True
     return layout
 
 
@@ -493,6 +515,9 @@ def run(args: argparse.Namespace) -> tuple[raymoe.TrainSummary, Lora | None]:
     # Everything checkable without a cluster comes first: the config, the output directory (an earlier run there
     # is resumed, overwritten or refused), the LoRA flags, the data, the sequence length.
     check_lora_flags(args)
+    sizes = layout_of(args)
+    layout = raymoe.DistributedConfig(**sizes)
+    layout.check_sequence_length(args.seq_len)  # context / sequence parallelism split every row: before any data
     config = trainer_config(args)
     resume = config.check_output_dir()
     if resume is not None:
@@ -505,12 +530,12 @@ def run(args: argparse.Namespace) -> tuple[raymoe.TrainSummary, Lora | None]:
     lora = lora_of(args, model_config)
     data = load_data(args, tokenizer)
     check_seq_len(data.seq_len, model_config)  # packed .npy rows bring their own length
+    layout.check_sequence_length(data.seq_len)
     # Pre-tokenized data may hold any integer: checked here, before Ray starts, as the handle would later.
     check_input_ids(data.input_ids, model_config.vocab_size, f"dataset {args.dataset}")
     train_data, eval_data = data.split(args.eval_fraction)
-    layout = layout_of(args)
     name = EMBEDDED_MODEL if args.model is None else args.model
-    print(f"model {name}, layout {layout}, {data.num_sequences} sequences of {data.seq_len} tokens from {args.dataset}")
+    print(f"model {name}, layout {sizes}, {data.num_sequences} sequences of {data.seq_len} tokens from {args.dataset}")
     if data.report is not None:
         print(f"data: {data.report.summary()}")
     if lora is not None:

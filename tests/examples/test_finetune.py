@@ -83,6 +83,22 @@ def test_a_tiny_hub_family_checkpoint_fine_tunes(
         assert trained(input_ids=ids).logits.isfinite().all()
 
 
+@pytest.mark.slow
+def test_long_sequence_flags_split_every_row_and_train(ray_session, finetune, tmp_path, capsys):
+    """``--cp-size 2 --cp-mode all_to_all --sequence-parallel`` on the embedded default (tp2, ep2): every row split
+    over two cp ranks, the residual stream over the tp pair; the eval loss falls."""
+    out = tmp_path / "run"
+    layout = ["--cp-size", "2", "--cp-mode", "all_to_all", "--sequence-parallel", "--fsdp-size", "1"]
+    argv = [*layout, "--steps", "8", "--eval-every", "4", "--output-dir", str(out), "--no-progress"]
+    assert finetune.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "'cp_size': 2, 'cp_mode': 'all_to_all', 'enable_sequence_parallel': True" in printed
+    assert "chunks      c0c3" in printed  # model.describe() draws the cp axis
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    assert len(evals) == 3 and evals[-1] < evals[0], evals
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -96,6 +112,8 @@ def test_a_tiny_hub_family_checkpoint_fine_tunes(
         (["--router-aux-loss-coef", "-0.5"], r"router_aux_loss_coef=-0.5 must be a number >= 0"),
         (["--balance", "bias"], r"balance='bias' needs a router with a per-expert selection bias"),
         (["--seq-len", "100000000"], r"--seq-len=100000000 exceeds the model's max_position_embeddings=512"),
+        (["--cp-size", "4", "--seq-len", "100"], r"a sequence of 100 tokens does not split over cp_size=4"),
+        (["--sequence-parallel", "--tp-size", "1"], r"enable_sequence_parallel=True .* tp_size=1; .*\[CFG-9\]"),
         (
             ["--dataset", "{out_of_vocab}"],
             r"out_of_vocab.npy must be token ids in \[0, 264\), got values in \[0, 999\]",
@@ -124,6 +142,8 @@ def test_a_tiny_hub_family_checkpoint_fine_tunes(
         "negative_aux_coef",
         "bias_without_a_biased_router",
         "huge_seq_len_checked_before_reading",
+        "seq_len_that_cp_cannot_split",
+        "sequence_parallel_without_tp",
         "npy_ids_outside_the_vocabulary",
         "npy_that_is_not_an_array",
         "jsonl_that_is_not_utf8",
