@@ -20,6 +20,10 @@ intermediate 768):
             against 1 (peak memory), fsdp_cpu_offload with bias balancing, async save_state / load_state
             (peak of the load against the state's bytes) and generate, with host syncs counted by raymoe's
             meter and by torch.cuda.set_sync_debug_mode("warn") (benchmarks/gpu_readiness.py)
+    context     ring attention's block kernels (context parallelism, issue 32) on the device against float64
+            attention: output, log-sum-exp and gradients of causal, whole and masked blocks, grouped kv heads,
+            MLA's narrower value heads, float32 and bf16; one 8k causal block timed beside SDPA
+            (benchmarks/gpu_context.py)
 
 FLOPs of the block per token: routed experts 3 matmuls (gate, up, down) of 2*H*I per (token, expert)
 pair, the router 2*H*E; the backward counts twice the forward (input and weight gradients).
@@ -48,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gpu_context import run_context
 from gpu_readiness import run_readiness
 from torch import Tensor, nn
 
@@ -529,7 +534,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; CPU fp32 without a GPU")
     parser.add_argument(
-        "--parts", nargs="+", choices=["block", "train", "readiness"], default=["block", "train", "readiness"]
+        "--parts",
+        nargs="+",
+        choices=["block", "train", "readiness", "context"],
+        default=["block", "train", "readiness", "context"],
     )
     parser.add_argument("--block-tokens", type=int, help="tokens of the block part (default 8192; smoke 256)")
     parser.add_argument("--batch", type=int, help="training rows per step (default 4; smoke 2)")
@@ -627,6 +635,10 @@ def main(argv: list[str] | None = None) -> None:
     if "readiness" in args.parts:
         release_memory(settings.device)
         result["readiness"] = run_readiness(settings.device)
+    if "context" in args.parts:
+        release_memory(settings.device)
+        print("\nring attention's block kernels against float64 attention (issue 32)")
+        result["context"] = run_context(settings.device)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {args.out}")

@@ -41,14 +41,17 @@ def expert_load_metrics(load_per_batch: list[Tensor], topology: Topology) -> dic
 
 
 def _rank_load(loads_BLE: Tensor, topology: Topology) -> Tensor:
-    """``[moe_layers, world]``: tokens routed to each rank's experts from the batches of its ep group."""
-    num_experts = loads_BLE.shape[-1]
+    """``[moe_layers, world]``: tokens routed to each rank's experts from the batches of its ep group. Under context
+    parallelism an ep group may hold some of a batch's cp ranks only: their shares count as that fraction of the
+    batch's load (each cp rank holds ``1 / cp_size`` of its tokens; which experts they chose is not told apart)."""
+    num_experts, cp = loads_BLE.shape[-1], topology.axis_size(Axis.CP)
     columns = []
     for coords in topology.ranks:
-        group = topology.group_of(coords.rank, Axis.EP)
-        batches = sorted({topology.ranks[r].batch for r in group})
+        group = [topology.ranks[r] for r in topology.group_of(coords.rank, Axis.EP)]
+        shares = {b: len({r.cp for r in group if r.batch == b}) / cp for b in {r.batch for r in group}}
         experts = topology.experts_of(coords.rank, num_experts)
-        columns.append(loads_BLE[batches][:, :, experts.start : experts.stop].sum(dim=(0, 2)))
+        held_BL = loads_BLE[:, :, experts.start : experts.stop].sum(dim=2)
+        columns.append(torch.stack([share * held_BL[b] for b, share in sorted(shares.items())]).sum(dim=0))
     return torch.stack(columns, dim=1)
 
 

@@ -26,6 +26,7 @@ LAYOUTS = {
     "cp2-fsdp2-ep4": {"cp_size": 2, "fsdp_size": 2, "ep_size": 4},
     "cp2-tp2-ep2-masked": {"cp_size": 2, "tp_size": 2, "ep_size": 2, "masked": True},
     "cp2-pp2": {"cp_size": 2, "pp_size": 2, "pp_microbatches": 2},
+    "dp_replicate2-cp2": {"dp_replicate_size": 2, "cp_size": 2},  # HSDP: shards over cp, replicas across
 }
 
 
@@ -51,3 +52,9 @@ def config_of(layout: str, name: str) -> dict:
     if config.pop("masked", False):
         config["ep_plan"] = masked(ROUTER[name])
     return config
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_recomputes_attention_across_the_split(check_layout, tmp_path, mode):
+    """The recomputed forward of each layer passes keys and values around the ring again, on every cp rank."""
+    check_layout({"cp_size": 2, "fsdp_size": 2, "activation_checkpointing": mode}, tmp_path, GPT_OSS, seq=SEQ)

@@ -36,7 +36,11 @@ LAYOUTS = {
     "tp2-fsdp2-ep2": {"tp_size": 2, "fsdp_size": 2, "ep_size": 2},
     "pp2-fsdp2": {"pp_size": 2, "fsdp_size": 2},
     "dp_replicate2-fsdp2-ep2": {"dp_replicate_size": 2, "fsdp_size": 2, "ep_size": 2},
+    # context parallelism (issue 32): adapters on a base whose every row is split over the cp ranks
+    "cp2-fsdp2-ep4": {"cp_size": 2, "fsdp_size": 2, "ep_size": 4},
+    "cp4": {"cp_size": 4},
 }
+CP_SEQ = 16  # a multiple of 2 * cp_size
 
 
 def _peft_reference(name: str, directory: Path, adapter_dir: Path, load_hf_model, batches):
@@ -72,7 +76,8 @@ def _check_training(name, config, load, tiny_checkpoint, load_hf_model, padded_b
     import peft
 
     directory = tiny_checkpoint(name)
-    batches = padded_batches(96, steps=STEPS, rows=ROWS, seq=SEQ)  # every tiny config has 96 tokens
+    seq = CP_SEQ if config.get("cp_size", 1) > 1 else SEQ
+    batches = padded_batches(96, steps=STEPS, rows=ROWS, seq=seq)  # every tiny config has 96 tokens
     losses, norms, reference = _peft_reference(name, directory, tmp_path / "start", load_hf_model, batches)
     with load(directory, config, lora=str(tmp_path / "start")) as model:
         model.configure_training(lr=LR, weight_decay=WEIGHT_DECAY, betas=(0.9, 0.999), max_grad_norm=None)
@@ -115,6 +120,8 @@ def test_one_rank_training_equals_peft(name, load_local, tiny_checkpoint, load_h
         (GPT_OSS, "tp2-fsdp2-ep2"),
         (MIXTRAL, "fsdp4-ep4"),
         (DEEPSEEK, "tp2-fsdp2-ep2"),
+        (QWEN_EP, "cp2-fsdp2-ep4"),
+        (GPT_OSS, "cp4"),
     ],
 )
 def test_layout_training_equals_peft(

@@ -87,9 +87,10 @@ class DecoderModel(nn.Module):
     A part of the model (:meth:`CausalLM.keep_part`) may lack the embedding (it then takes hidden states
     ``[B, S, H]`` in place of token ids) and the final norm (it returns its last layer's output).
 
-    With ``sequence_split`` set (context parallelism, for the duration of a forward: ``raymoe.parallel``'s
-    ``split_sequences``), a forward runs on the split's share of every row: token ids, ``document_ids`` and
-    ``routes`` come as full rows (ids are cut before the embedding), hidden states in and out are the share only.
+    With ``sequence_split`` set (context parallelism; the rank code sets it for the duration of a forward:
+    ``raymoe.parallel.sequence_shares``), a forward runs on the split's share of every row: token ids,
+    ``document_ids`` and ``routes`` come as full rows (ids are cut before the embedding), hidden states in and out
+    are the share only.
     With ``residual_split`` set too (sequence parallelism), the residual stream between the embedding and the final
     norm is a share of that along the sequence (:class:`~raymoe.models.common.sequence_split.ResidualSplit`); the
     head gets the whole of it.
@@ -129,20 +130,16 @@ class DecoderModel(nn.Module):
         ``j`` for the model's ``j``-th sparse layer (of the whole model, also in a part that runs some layers).
         """
         start = cache.length if cache is not None else 0
-        split = self.sequence_split
         layout: TokenLayout | None = None
         key_mask_BL: Tensor | None = None
-        if split is not None:
+        if self.sequence_split is not None:
             if cache is not None or attention_mask_BS is not None:
                 raise ValueError(
                     "a forward split over ranks (context parallelism) takes whole right-padded rows: no KV cache, "
                     "no attention_mask"
                 )
-            rows, width = input_ids_BS.shape[:2]
-            full = width if self.embed_tokens is not None else split.full_length(width)
-            input_ids_BS = split.cut(input_ids_BS) if self.embed_tokens is not None else input_ids_BS
-            routes_BSLK = split.cut(routes_BSLK) if routes_BSLK is not None else None
-            layout = split.layout(document_ids_BS, rows, full, input_ids_BS.device)
+            split = self.sequence_split
+            input_ids_BS, routes_BSLK, layout = self._split(split, input_ids_BS, document_ids_BS, routes_BSLK)
         x_BSH = self.embed_tokens(input_ids_BS) if self.embed_tokens is not None else input_ids_BS
         if layout is None and document_ids_BS is not None:
             if cache is not None:
@@ -169,6 +166,16 @@ class DecoderModel(nn.Module):
             return x_BSH
         out_BSH: Tensor = self.norm(x_BSH)
         return residual.whole(out_BSH) if residual is not None else out_BSH
+
+    def _split(
+        self, split: SequenceSplit, input_BS: Tensor, document_ids_BS: Tensor | None, routes_BSLK: Tensor | None
+    ) -> tuple[Tensor, Tensor | None, TokenLayout]:
+        """``(this share of the ids, of the routes, the layout)``; hidden states (a later part) are a share already."""
+        rows, width = input_BS.shape[:2]
+        full = width if self.embed_tokens is not None else split.full_length(width)
+        ids = split.cut(input_BS) if self.embed_tokens is not None else input_BS
+        routes = split.cut(routes_BSLK) if routes_BSLK is not None else None
+        return ids, routes, split.layout(document_ids_BS, rows, full, input_BS.device)
 
 
 def _positions(

@@ -80,8 +80,7 @@ class RingLayout:
 
     def attend(self, q_BHSD: Tensor, k_BHSD: Tensor, v_BHSV: Tensor, rule: AttentionRule) -> Tensor:
         """``[B, H, 2c, Dv]``: this rank's queries over every rank's keys (see the module docstring)."""
-        sinks = rule.sinks_Hq if rule.sinks_Hq is not None else None
-        out: Tensor = _RingAttention.apply(q_BHSD, k_BHSD, v_BHSV, sinks, self, rule.scale, rule.window)
+        out: Tensor = _RingAttention.apply(q_BHSD, k_BHSD, v_BHSV, rule.sinks_Hq, self, rule.scale, rule.window)
         return out
 
     def block_mask(self, block: Block, window: int | None, device: torch.device, dtype: torch.dtype) -> Tensor | None:
@@ -119,7 +118,6 @@ class _RingAttention(torch.autograd.Function):
         window: int | None,
     ) -> Tensor:
         chunks, ring = layout.chunks, _Ring(layout.group, layout.chunks)
-        masks = _Masks(layout, window, q.device, q.dtype)
         c, dv = chunks.chunk, v.shape[-1]
         out = q.new_zeros((*q.shape[:-1], dv), dtype=torch.float32)
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)
@@ -131,12 +129,12 @@ class _RingAttention(torch.autograd.Function):
             for block in step_blocks(chunks, source, window):
                 rows = slice(block.q_half * c, (block.q_half + 1) * c)
                 cols = slice(block.k_half * c, (block.k_half + 1) * c)
-                mask = masks.of(block)
+                mask = layout.block_mask(block, window, q.device, q.dtype)
                 block_out, block_lse = _kernel_forward(
                     q[:, :, rows], k_j[:, :, cols], v_j[:, :, cols], mask, block, scale
                 )
                 if mask is not None:  # a row that sees no key of the block: its kernel lse reads 0, it is -inf
-                    block_lse = block_lse.masked_fill(~masks.has_key(mask), float("-inf"))
+                    block_lse = block_lse.masked_fill(~_sees_a_key(mask), float("-inf"))
                 out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             if incoming is not None:
                 held = incoming.wait()
@@ -152,7 +150,6 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         layout: RingLayout = ctx.layout
         chunks, ring = layout.chunks, _Ring(layout.group, layout.chunks)
-        masks = _Masks(layout, ctx.window, q.device, q.dtype)
         c = chunks.chunk
         grad_out = grad_out.contiguous()
         grad_q = torch.zeros_like(q, dtype=torch.float32)
@@ -170,7 +167,7 @@ class _RingAttention(torch.autograd.Function):
             for block in step_blocks(chunks, source, ctx.window):
                 rows = slice(block.q_half * c, (block.q_half + 1) * c)
                 cols = slice(block.k_half * c, (block.k_half + 1) * c)
-                mask = masks.of(block)
+                mask = layout.block_mask(block, ctx.window, q.device, q.dtype)
                 dq, dk, dv = _kernel_backward(
                     grad_out[:, :, rows],
                     q[:, :, rows],
@@ -199,19 +196,9 @@ class _RingAttention(torch.autograd.Function):
         return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), grad_sinks, None, None, None
 
 
-class _Masks:
-    """The masks of one forward's (or backward's) blocks; each is built when its block runs and dropped after."""
-
-    def __init__(self, layout: RingLayout, window: int | None, device: torch.device, dtype: torch.dtype) -> None:
-        self.layout, self.window, self.device, self.dtype = layout, window, device, dtype
-
-    def of(self, block: Block) -> Tensor | None:
-        return self.layout.block_mask(block, self.window, self.device, self.dtype)
-
-    @staticmethod
-    def has_key(mask: Tensor) -> Tensor:
-        """``[B | 1, 1, c]``: the rows of ``mask`` that see at least one key."""
-        return (mask == 0).any(dim=-1)
+def _sees_a_key(mask: Tensor) -> Tensor:
+    """``[B | 1, 1, c]``: the rows of an additive ``mask`` that see at least one key."""
+    return (mask == 0).any(dim=-1)
 
 
 def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> tuple[Tensor, Tensor]:
