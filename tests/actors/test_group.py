@@ -73,6 +73,7 @@ def group_members(ctx):
         ({"tp_size": 2, "fsdp_size": 4, "ep_size": 8}, False),
         ({"dp_replicate_size": 2, "fsdp_size": 2, "ep_size": 2}, False),
         ({"pp_size": 2, "fsdp_size": 2}, False),
+        ({"cp_size": 2, "fsdp_size": 2, "tp_size": 2, "ep_size": 4}, False),  # cp between fsdp and tp
     ],
     ids=lambda c: ",".join(f"{k.removesuffix('_size')}{v}" for k, v in c.items()) if isinstance(c, dict) else "",
 )
@@ -94,7 +95,7 @@ def test_sub_mesh_membership_equals_topology_groups(ray_session, world, config, 
             assert members[axis.value] == topology.group_of(rank, axis), (rank, axis)
         assert env == {"RANK": rank, "WORLD_SIZE": topology.world_size, "LOCAL_RANK": rank}
         assert backend == "gloo"
-        assert dense_names == ("dp_replicate", "pp", "fsdp", "tp")
+        assert dense_names == ("dp_replicate", "pp", "fsdp", "cp", "tp")
         assert expert_names == ("dp_replicate", "pp", "efsdp", "ep")
 
 

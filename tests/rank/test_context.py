@@ -34,16 +34,22 @@ def timeouts(ctx):
     for mesh in (ctx.dense_mesh, ctx.expert_mesh):
         for axis in mesh.mesh_dim_names:
             seen[axis] = group_timeout_s(mesh.get_group(axis), ctx.device)
+    if ctx.topology.axis_size("cp") > 1:  # FSDP2's dense shard group: fsdp and cp flattened
+        seen["fsdp_cp"] = group_timeout_s(ctx.dense_mesh["fsdp_cp"].get_group(), ctx.device)
     return seen
 
 
-def test_every_sub_mesh_group_carries_the_world_timeout(load_on_world, tiny_checkpoint):
-    layout = {"dp_replicate_size": 2, "tp_size": 2, "ep_size": 2}
+@pytest.mark.parametrize(
+    ("layout", "extra"),
+    [({"dp_replicate_size": 2, "tp_size": 2, "ep_size": 2}, set()), ({"cp_size": 2, "fsdp_size": 2}, {"fsdp_cp"})],
+)
+def test_every_sub_mesh_group_carries_the_world_timeout(load_on_world, tiny_checkpoint, layout, extra):
     with load_on_world(tiny_checkpoint(MOE), layout) as model:
         seen = model.run_on_ranks(timeouts)
     assert len(seen) == 4
     for rank_timeouts in seen:
-        assert set(rank_timeouts) == {"world", "checkpoint", "dp_replicate", "pp", "fsdp", "tp", "efsdp", "ep"}
+        axes = {"world", "checkpoint", "dp_replicate", "pp", "fsdp", "cp", "tp", "efsdp", "ep"}
+        assert set(rank_timeouts) == axes | extra
         assert set(rank_timeouts.values()) == {SESSION_TIMEOUT_S}, rank_timeouts
 
 
@@ -111,6 +117,8 @@ def _group_timeouts(ctx):
     for mesh in (ctx.dense_mesh, ctx.expert_mesh):
         for axis in mesh.mesh_dim_names:
             seen[axis] = group_timeout_s(mesh.get_group(axis), ctx.device)
+    if ctx.topology.axis_size("cp") > 1:  # FSDP2's dense shard group: fsdp and cp flattened
+        seen["fsdp_cp"] = group_timeout_s(ctx.dense_mesh["fsdp_cp"].get_group(), ctx.device)
     return seen
 
 
