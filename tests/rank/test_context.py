@@ -18,6 +18,7 @@ from raymoe.rank.context import (
     mesh_backend_overrides,
 )
 from raymoe.rank.local import LocalRankGroup
+from raymoe.spec.topology import Axis
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -133,3 +134,51 @@ def test_a_local_gloo_world_gives_every_sub_mesh_group_the_timeout_through_its_o
         group.shutdown()
     assert set(seen) == {"world", "dp_replicate", "pp", "fsdp", "cp", "tp", "efsdp", "ep"}
     assert set(seen.values()) == {77.0}, seen
+
+
+# --- the mesh cache: a world regrouped for many layouts keeps the groups of the last two -------------------------
+
+
+def gloo_threads(ctx):
+    """This rank's gloo threads (two per live group) and a sum over the current layout's every axis."""
+    import os
+
+    task = f"/proc/{os.getpid()}/task"
+    names = []
+    for thread in os.listdir(task):
+        try:
+            with open(f"{task}/{thread}/comm") as comm:
+                names.append(comm.read().strip())
+        except FileNotFoundError:  # a thread that ended while listed
+            continue
+    sums = {}
+    for axis in Axis:
+        one = torch.ones(1)
+        dist.all_reduce(one, group=ctx.mesh(axis).get_group())
+        sums[axis.value] = int(one)
+    return sum(name.startswith("gloo_tcp_loop") for name in names), sums, len(ctx._meshes)
+
+
+MESH_LAYOUTS = [
+    {"tp_size": 2, "fsdp_size": 2},
+    {"cp_size": 2, "fsdp_size": 2, "ep_size": 4},
+    {"dp_replicate_size": 2, "tp_size": 2, "ep_size": 2},
+    {"pp_size": 2, "fsdp_size": 2, "ep_size": 2},
+]
+
+
+def test_a_regrouped_world_keeps_two_layouts_groups_and_each_still_works(world):
+    """Eight layouts in a row on one world: every axis of each still sums over its ranks, and the gloo threads (one
+    loop per live group) stay at two layouts' worth; without eviction each layout would add about nine groups."""
+    group = world(4)
+    threads_after = []
+    for config in MESH_LAYOUTS * 2:  # every layout after the second evicts one; the repeats are built afresh
+        topology = build_topology(DistributedConfig(**config), 4)
+        group.use_layout(topology)
+        seen = group.execute(gloo_threads)
+        for rank, (_, sums, cached) in enumerate(seen):
+            assert sums == {axis.value: topology.axis_size(axis) for axis in Axis}, (config, rank)
+            assert cached <= 2
+        threads_after.append(max(threads for threads, _, _ in seen))
+    # after layout k (k >= 5) the cache holds the same two layouts as after layout k - 4: the same threads, no growth
+    assert threads_after[5:] == threads_after[1:4], threads_after
