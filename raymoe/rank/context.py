@@ -3,8 +3,9 @@
 Torch-side and Ray-free. The rank actor (``actors/rank.py``) calls :func:`join_world` once, then
 runs rank functions (``raymoe.rank.*``) that take the returned :class:`RankContext` first. A world
 outlives the models loaded on it: each load sets the layout it was resolved for
-(:meth:`RankContext.use_layout`, meshes cached per shape: the last :data:`MESH_CACHE_LAYOUTS`, older ones' process
-groups destroyed) and puts a :class:`LoadedModel` in ``ctx.loaded``; unloading drops it and keeps the process group.
+(:meth:`RankContext.use_layout`, meshes cached per shape, their groups shared by rank set: :mod:`raymoe.rank.groups`)
+and puts a :class:`LoadedModel` in
+``ctx.loaded``; unloading drops it and keeps the process group.
 
 Two meshes over the same ranks, named as in :mod:`raymoe.spec.topology`::
 
@@ -23,9 +24,7 @@ given. NCCL's groups wait :data:`NCCL_TIMEOUT_MARGIN_S` beyond the driver's coll
 
 from __future__ import annotations
 
-import gc
 import os
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -40,6 +39,7 @@ from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.generation import Generation
 from raymoe.parallel.sequence_shares import SequenceShares
 from raymoe.rank.contract import DEFAULT_COLLECTIVE_TIMEOUT_S, Backend, Rendezvous
+from raymoe.rank.groups import GroupPool
 from raymoe.rank.progress import FLIGHT_RECORDER_ENTRIES
 from raymoe.spec.balance import BalanceConfig
 from raymoe.spec.launch import LaunchSpec
@@ -134,33 +134,28 @@ class RankContext:
     layout: RankLayout | None = None
     loaded: LoadedModel | None = None
     _checkpoint_group: dist.ProcessGroup | None = field(default=None, repr=False)
-    # least recently used first; at most MESH_CACHE_LAYOUTS shapes, the others' process groups destroyed
-    _meshes: OrderedDict[tuple[tuple[int, ...], tuple[int, ...]], tuple[DeviceMesh, DeviceMesh]] = field(
-        default_factory=OrderedDict, repr=False
+    _meshes: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[DeviceMesh, DeviceMesh]] = field(
+        default_factory=dict, repr=False
     )
+    _groups: GroupPool | None = field(default=None, repr=False)
 
     def use_layout(self, topology: Topology) -> RankLayout:
         """Make ``topology`` this rank's layout; every rank must call it (new meshes create process groups)."""
         if topology.world_size != self.world_size:
             raise ValueError(f"a layout of {topology.world_size} ranks cannot run on a world of {self.world_size}")
         key = (topology.mesh_shape(DENSE_AXES), topology.mesh_shape(EXPERT_AXES))
-        if key in self._meshes:
-            self._meshes.move_to_end(key)
-        else:
-            while len(self._meshes) >= MESH_CACHE_LAYOUTS:  # the same order on every rank: they see the same calls
-                _, evicted = self._meshes.popitem(last=False)
-                release_meshes(*evicted)
-            self._meshes[key] = build_meshes(topology, self.device.type, self.backend, self.collective_timeout_s)
+        if key not in self._meshes:
+            self._meshes[key] = build_meshes(topology, self.device.type, self.group_pool())
         dense, expert = self._meshes[key]
         self.layout = RankLayout(topology, topology.ranks[self.rank], dense, expert)
         return self.layout
 
-    def release_meshes(self) -> None:
-        """Destroy the process groups of every cached layout (every rank must call it); the layout is dropped."""
-        self.loaded = None
-        self.layout = None
-        while self._meshes:
-            release_meshes(*self._meshes.popitem(last=False)[1])
+    def group_pool(self) -> GroupPool:
+        """The process groups of this world's meshes, by member ranks (made on first use)."""
+        if self._groups is None:
+            backend, timeout_s = self.backend, self.collective_timeout_s
+            self._groups = GroupPool(self.rank, backend, lambda: mesh_backend_overrides(backend, 1, timeout_s)[0][1])
+        return self._groups
 
     def _require_layout(self) -> RankLayout:
         if self.layout is None:
@@ -299,63 +294,38 @@ def join_world(rendezvous: Rendezvous) -> RankContext:
     )
 
 
-MESH_CACHE_LAYOUTS = 2
-"""Layouts whose meshes a rank keeps: the current one and the one before (a world switching back and forth between two
-models' layouts reuses both); an older one's process groups are destroyed when a new layout needs meshes."""
-
-
 def use_layout(ctx: RankContext, topology: Topology) -> None:
     """Rank function: switch this rank to ``topology`` (drops any loaded model first)."""
     ctx.loaded = None
     ctx.use_layout(topology)
 
 
-def build_meshes(
-    topology: Topology, device_type: str, backend: Backend, timeout_s: float
-) -> tuple[DeviceMesh, DeviceMesh]:
-    """The dense and expert DeviceMeshes; every rank must call this (it creates process groups).
+def build_meshes(topology: Topology, device_type: str, groups: GroupPool) -> tuple[DeviceMesh, DeviceMesh]:
+    """The dense and expert DeviceMeshes; every rank must call this (it may create process groups).
 
-    Every sub-mesh group (tp, cp, fsdp, fsdp_cp, ep, efsdp, dp_replicate) gets the world's collective timeout (NCCL's
-    with its margin, :func:`backend_timeout_s`): left to torch, they would wait 30 minutes in a collective a rank never
-    reaches.
+    Each mesh dimension takes the group of its rank set from ``groups``, made once per world with the world's
+    collective timeout (NCCL's with its margin, :func:`backend_timeout_s`): left to torch, a group would wait 30
+    minutes in a collective a rank never reaches. The flattened ``fsdp_cp`` group is made by torch, with the same
+    timeout, once per cp layout shape (the meshes are cached per shape).
     """
     ranks = torch.arange(topology.world_size)
-    dense = DeviceMesh(
+    dense_grid = ranks.reshape(topology.mesh_shape(DENSE_AXES))
+    dense = DeviceMesh.from_group(
+        groups.groups_of(dense_grid),
         device_type,
-        ranks.reshape(topology.mesh_shape(DENSE_AXES)),
+        mesh=dense_grid,
         mesh_dim_names=tuple(axis.value for axis in DENSE_AXES),
-        backend_override=mesh_backend_overrides(backend, len(DENSE_AXES), timeout_s),
     )
     if topology.axis_size(Axis.CP) > 1:  # FSDP2's dense shard group: fsdp and cp, adjacent in the dense view
-        (flat_override,) = mesh_backend_overrides(backend, 1, timeout_s)
-        dense[Axis.FSDP.value, Axis.CP.value]._flatten(FSDP_CP, backend_override=flat_override)
-    expert = DeviceMesh(
+        dense[Axis.FSDP.value, Axis.CP.value]._flatten(FSDP_CP, backend_override=(groups.backend, groups.new_options()))
+    expert_grid = ranks.reshape(topology.mesh_shape(EXPERT_AXES))
+    expert = DeviceMesh.from_group(
+        groups.groups_of(expert_grid),
         device_type,
-        ranks.reshape(topology.mesh_shape(EXPERT_AXES)),
+        mesh=expert_grid,
         mesh_dim_names=tuple(axis.value for axis in EXPERT_AXES),
-        backend_override=mesh_backend_overrides(backend, len(EXPERT_AXES), timeout_s),
     )
     return dense, expert
-
-
-def release_meshes(dense: DeviceMesh, expert: DeviceMesh) -> None:
-    """Destroy the process groups :func:`build_meshes` made for one layout (every rank must call it, in the same order).
-
-    A gloo group keeps two threads that wake every few milliseconds, and NCCL a communicator, for as long as it
-    lives: a world regrouped for many layouts (a session of loads, a test suite) would otherwise keep every group it
-    ever made. The world's own group, which a mesh dimension spanning every rank may reuse, is kept. The groups are
-    collected at once: meshes and groups hold each other in reference cycles.
-    """
-    world = dist.distributed_c10d._get_default_group()
-    groups = {group.group_name: group for mesh in (dense, expert) for group in mesh.get_all_groups()}
-    names = dense.mesh_dim_names or ()
-    if dense.size(names.index(Axis.CP.value)) > 1:  # build_meshes flattened fsdp and cp into a group of their own
-        flat = dense[FSDP_CP].get_group()
-        groups[flat.group_name] = flat
-    for group in groups.values():
-        if group is not world:
-            dist.destroy_process_group(group)
-    gc.collect()
 
 
 def mesh_backend_overrides(

@@ -136,11 +136,11 @@ def test_a_local_gloo_world_gives_every_sub_mesh_group_the_timeout_through_its_o
     assert set(seen.values()) == {77.0}, seen
 
 
-# --- the mesh cache: a world regrouped for many layouts keeps the groups of the last two -------------------------
+# --- process groups by rank set: a world regrouped for many layouts makes each rank set's group once ----------------
 
 
 def gloo_threads(ctx):
-    """This rank's gloo threads (two per live group) and a sum over the current layout's every axis."""
+    """This rank's gloo loop threads (one per live group), a sum over each axis of the current layout, the groups."""
     import os
 
     task = f"/proc/{os.getpid()}/task"
@@ -156,7 +156,11 @@ def gloo_threads(ctx):
         one = torch.ones(1)
         dist.all_reduce(one, group=ctx.mesh(axis).get_group())
         sums[axis.value] = int(one)
-    return sum(name.startswith("gloo_tcp_loop") for name in names), sums, len(ctx._meshes)
+    if ctx.topology.axis_size(Axis.CP) > 1:
+        one = torch.ones(1)
+        dist.all_reduce(one, group=ctx.dense_mesh["fsdp_cp"].get_group())
+        sums["fsdp_cp"] = int(one)
+    return sum(name.startswith("gloo_tcp_loop") for name in names), sums, len(ctx.group_pool())
 
 
 MESH_LAYOUTS = [
@@ -164,21 +168,26 @@ MESH_LAYOUTS = [
     {"cp_size": 2, "fsdp_size": 2, "ep_size": 4},
     {"dp_replicate_size": 2, "tp_size": 2, "ep_size": 2},
     {"pp_size": 2, "fsdp_size": 2, "ep_size": 2},
+    {"fsdp_size": 4, "ep_size": 4},
+    {"tp_size": 4},
 ]
 
 
-def test_a_regrouped_world_keeps_two_layouts_groups_and_each_still_works(world):
-    """Eight layouts in a row on one world: every axis of each still sums over its ranks, and the gloo threads (one
-    loop per live group) stay at two layouts' worth; without eviction each layout would add about nine groups."""
+def test_a_regrouped_world_makes_each_rank_sets_group_once_and_every_axis_still_works(world):
+    """Layout after layout on one world: every axis sums over its ranks, and once each layout has been seen no
+    group, and no gloo thread, is added (left to DeviceMesh, each layout would add one group per dimension)."""
     group = world(4)
-    threads_after = []
-    for config in MESH_LAYOUTS * 2:  # every layout after the second evicts one; the repeats are built afresh
+    seen_after = []
+    for config in MESH_LAYOUTS * 2:  # the second round meets only shapes and rank sets the first one made
         topology = build_topology(DistributedConfig(**config), 4)
         group.use_layout(topology)
-        seen = group.execute(gloo_threads)
-        for rank, (_, sums, cached) in enumerate(seen):
-            assert sums == {axis.value: topology.axis_size(axis) for axis in Axis}, (config, rank)
-            assert cached <= 2
-        threads_after.append(max(threads for threads, _, _ in seen))
-    # after layout k (k >= 5) the cache holds the same two layouts as after layout k - 4: the same threads, no growth
-    assert threads_after[5:] == threads_after[1:4], threads_after
+        for rank, (threads, sums, pooled) in enumerate(group.execute(gloo_threads)):
+            expected = {axis.value: topology.axis_size(axis) for axis in Axis}
+            if topology.axis_size(Axis.CP) > 1:
+                expected["fsdp_cp"] = topology.axis_size(Axis.FSDP) * topology.axis_size(Axis.CP)
+            assert sums == expected, (config, rank)
+            assert pooled <= 15  # the non-empty subsets of 4 ranks
+            if rank == 0:
+                seen_after.append((threads, pooled))
+    first, second = seen_after[: len(MESH_LAYOUTS)], seen_after[len(MESH_LAYOUTS) :]
+    assert second == [first[-1]] * len(MESH_LAYOUTS), seen_after

@@ -1,0 +1,70 @@
+"""Process groups by their member ranks, made once per world and shared by every layout's meshes.
+
+A world outlives the models loaded on it, and each load may regroup it (:meth:`RankContext.use_layout`). Left to
+``DeviceMesh``, every new layout would make a process group per mesh dimension, and keep it for the life of the world:
+a gloo group holds two threads that wake every few milliseconds, an NCCL group a communicator. Yet the rank sets of
+those groups repeat from layout to layout (on 4 ranks: the 4 singletons, a few pairs, the whole world), so
+:class:`GroupPool` makes one group per distinct rank set and every mesh dimension over that set reuses it::
+
+    layout A  dense (dp_replicate=1, pp=1, fsdp=2, cp=1, tp=2)   fsdp {0,2} {1,3}   tp {0,1} {2,3}
+    layout B  dense (dp_replicate=1, pp=1, fsdp=2, cp=2, tp=1)   fsdp {0,2} {1,3}   cp {0,1} {2,3}
+                                                                 ^ the same groups as A's fsdp and tp
+
+Groups are never destroyed while the world lives: torch caches meshes by value (ranks, shape, names; not their
+groups) in DTensor's sharding propagation, so a mesh of an earlier layout may be handed back for an equal one of a
+later layout, and its groups must still work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor
+
+from raymoe.rank.contract import Backend
+
+
+@dataclass
+class GroupPool:
+    """This rank's process groups by member ranks; ``groups_of`` is collective (every rank calls it, same order)."""
+
+    rank: int
+    backend: Backend
+    # a fresh options object of the backend carrying the groups' timeout: torch keeps a reference in each group
+    new_options: Callable[[], Any]
+    _groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict, repr=False)
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def groups_of(self, ranks_grid: Tensor) -> list[dist.ProcessGroup]:
+        """This rank's group along each dimension of ``ranks_grid`` (global ranks, one per mesh position), making
+        the rank sets not seen before: all ranks walk every dimension's groups in the same order."""
+        return [self._group_along(ranks_grid, dim) for dim in range(ranks_grid.ndim)]
+
+    def _group_along(self, ranks_grid: Tensor, dim: int) -> dist.ProcessGroup:
+        rows = ranks_grid.movedim(dim, -1).reshape(-1, ranks_grid.size(dim))
+        mine = None
+        for row in rows.tolist():
+            members = tuple(sorted(row))
+            if members not in self._groups:
+                self._groups[members] = self._new_group(members)
+            if self.rank in members:
+                mine = self._groups[members]
+        if mine is None:
+            raise ValueError(f"rank {self.rank} is not in the mesh {ranks_grid.tolist()}")
+        return mine
+
+    def _new_group(self, members: tuple[int, ...]) -> dist.ProcessGroup:
+        options = self.new_options()
+        group = dist.new_group(
+            list(members),
+            timeout=options._timeout,
+            backend=self.backend,
+            pg_options=options,
+            group_desc="raymoe_ranks_" + "_".join(map(str, members)),
+        )
+        return group  # type: ignore[no-any-return]
