@@ -25,10 +25,8 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from raymoe.rank.contract import FailureKind, RankFailure, RankProgress
+from raymoe.rank.contract import MESH_PREFIX, FailureKind, RankFailure, RankProgress
 from raymoe.spec.topology import Topology
-
-MESH_PREFIX = "mesh_"
 
 
 class Fate(enum.Enum):

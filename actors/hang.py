@@ -5,10 +5,12 @@ that answer say which collective they wait in (group, sequence number, op); the 
 of that group that either did not answer at all (the process is frozen: SIGSTOP, a debugger, a machine
 swapping) or answered but never entered that collective (stuck elsewhere: a storage read, a loop, a
 collective on another group). A rank behind in one group while it leads another stalled one is a victim,
-not a culprit: it waits for someone too. Sub-mesh groups are named ``mesh_<axis>`` by DeviceMesh, so the
-members of a rank's group are its ranks along that axis of the layout; any other group (the world's, the
-checkpoint group) spans every rank. How soon the driver reads the reports of a stuck call (its poll, the answer wait:
-:func:`diagnosis_deadline_s`) is kept here too, since a backend that ends a rank at its own timeout must wait longer.
+not a culprit: it waits for someone too. A rank reports its layout's groups as ``mesh_<axis>`` (``mesh_tp/ep`` where
+two axes group the same ranks; ``mesh_fsdp_cp``, FSDP2's group under cp), so the members of a rank's group are its
+ranks along that axis of the layout; a group of an earlier layout names its ranks (``ranks_0_3``); any other group
+(the world's, the checkpoint group) spans every rank. How soon the driver reads the reports of a stuck call (its
+poll, the answer wait: :func:`diagnosis_deadline_s`) is kept here too, since a backend that ends a rank at its own
+timeout must wait longer.
 """
 
 from __future__ import annotations
@@ -16,10 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from raymoe.rank.contract import GroupProgress, RankProgress
-from raymoe.spec.topology import Axis, Topology
-
-MESH_PREFIX = "mesh_"
+from raymoe.rank.contract import MESH_PREFIX, GroupProgress, RankProgress, rank_set_of
+from raymoe.spec.topology import FSDP_CP, Axis, Topology
 
 PROGRESS_ANSWER_S = 5.0  # how long a rank gets to answer a progress request before it counts as frozen
 
@@ -137,12 +137,22 @@ def _axis(desc: str) -> str:
 def _members(
     desc: str, topology: Topology | None, everyone: Sequence[int], reporters: Sequence[int]
 ) -> tuple[int, ...]:
-    """The ranks of a group: along its axis of the layout (found from a rank that reported it), or every rank."""
-    axes = {axis.value: axis for axis in Axis}
-    axis = _axis(desc)
-    if topology is None or axis not in axes or not reporters:
+    """The ranks of a group: those its description names (``ranks_0_3``), those along its axis of the layout (found
+    from a rank that reported it; ``tp/ep``: the axes group the same ranks), or every rank."""
+    named = rank_set_of(desc)
+    if named is not None:
+        return named
+    if topology is None or not reporters or not desc.startswith(MESH_PREFIX):
         return tuple(everyone)
-    return topology.group_of(reporters[0], axes[axis])
+    return _axis_group(topology, reporters[0], _axis(desc).split("/")[0]) or tuple(everyone)
+
+
+def _axis_group(topology: Topology, rank: int, axis: str) -> tuple[int, ...] | None:
+    if axis == FSDP_CP:  # FSDP2's dense shard group under context parallelism: fsdp and cp flattened
+        return tuple(sorted(m for c in topology.group_of(rank, Axis.CP) for m in topology.group_of(c, Axis.FSDP)))
+    if axis in {a.value for a in Axis}:
+        return topology.group_of(rank, Axis(axis))
+    return None
 
 
 def _entered(report: RankProgress | None, group_name: str) -> int:

@@ -74,7 +74,7 @@ class RankActor:
     @ray.method(concurrency_group=MONITOR)
     def progress(self) -> RankProgress:
         """What this rank runs now and where it stands in each process group (answered while ``run`` blocks)."""
-        return progress_report(self._rank, self._call, self._backend)
+        return progress_report(self._rank, self._call, self._backend, self._group_descs())
 
     @ray.method(concurrency_group=MONITOR)
     def process_id(self) -> tuple[str, int, str]:
@@ -84,8 +84,11 @@ class RankActor:
     def teardown(self) -> None:
         leave_world()
 
+    def _group_descs(self) -> dict[str, str]:
+        return self._ctx.group_descs() if self._ctx is not None else {}
+
     def _guarded(self, call: Callable[[], T]) -> T | RankFailure:
         try:
             return call()
         except Exception as exc:
-            return rank_failure(exc, progress_report(self._rank, self._call, self._backend))
+            return rank_failure(exc, progress_report(self._rank, self._call, self._backend, self._group_descs()))

@@ -39,7 +39,7 @@ from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.generation import Generation
 from raymoe.parallel.sequence_shares import SequenceShares
 from raymoe.rank.contract import DEFAULT_COLLECTIVE_TIMEOUT_S, Backend, Rendezvous
-from raymoe.rank.groups import GroupPool
+from raymoe.rank.groups import GroupPool, axis_descs
 from raymoe.rank.progress import FLIGHT_RECORDER_ENTRIES
 from raymoe.spec.balance import BalanceConfig
 from raymoe.spec.launch import LaunchSpec
@@ -156,6 +156,12 @@ class RankContext:
             backend, timeout_s = self.backend, self.collective_timeout_s
             self._groups = GroupPool(self.rank, backend, lambda: mesh_backend_overrides(backend, 1, timeout_s)[0][1])
         return self._groups
+
+    def group_descs(self) -> dict[str, str]:
+        """Each group's description -> the current layout's axes over its ranks, for progress reports (read from the
+        actor's monitor thread: only the layout reference is read)."""
+        layout = self.layout
+        return axis_descs(layout.topology, self.rank) if layout is not None else {}
 
     def _require_layout(self) -> RankLayout:
         if self.layout is None:

@@ -164,10 +164,29 @@ class StateAnswer:
     bytes_written: int = 0
 
 
+MESH_PREFIX = "mesh_"  # how DeviceMesh describes the groups it makes (``mesh_fsdp_cp``); progress reports name axes so
+RANK_SET_DESC = "ranks_"
+"""How a layout's process group is described (``ranks_0_2``: its member ranks; :mod:`raymoe.rank.groups`). A rank's
+progress report names it by the axes of its current layout over those ranks (``mesh_fsdp``, ``mesh_tp/ep``)."""
+
+
+def rank_set_desc(members: tuple[int, ...]) -> str:
+    return RANK_SET_DESC + "_".join(map(str, members))
+
+
+def rank_set_of(desc: str) -> tuple[int, ...] | None:
+    """The member ranks a group description names (None: not a rank-set description)."""
+    digits = desc.removeprefix(RANK_SET_DESC).split("_")
+    if not desc.startswith(RANK_SET_DESC) or not all(d.isdigit() for d in digits):
+        return None
+    return tuple(int(d) for d in digits)
+
+
 @dataclass(frozen=True)
 class GroupProgress:
-    """One process group on one rank: ``name`` (the same on every member), ``desc`` (``mesh_tp``, ``default_pg``,
-    ...), collectives entered and finished, and the last one entered (``op``, e.g. ``all_reduce``)."""
+    """One process group on one rank: ``name`` (the same on every member), ``desc`` (``mesh_tp``, ``mesh_tp/ep``,
+    ``mesh_fsdp_cp``, ``default_pg``, ``ranks_0_3`` ...), collectives entered and finished, and the last one entered
+    (``op``, e.g. ``all_reduce``)."""
 
     name: str
     desc: str

@@ -10,9 +10,10 @@ those groups repeat from layout to layout (on 4 ranks: the 4 singletons, a few p
     layout B  dense (dp_replicate=1, pp=1, fsdp=2, cp=2, tp=1)   fsdp {0,2} {1,3}   cp {0,1} {2,3}
                                                                  ^ the same groups as A's fsdp and tp
 
-Groups are never destroyed while the world lives: torch caches meshes by value (ranks, shape, names; not their
-groups) in DTensor's sharding propagation, so a mesh of an earlier layout may be handed back for an equal one of a
-later layout, and its groups must still work.
+A group is described by its ranks (``ranks_0_2``); a rank's progress report names it by the current layout's axes
+(:func:`axis_descs`). Groups are never destroyed while the world lives: torch caches meshes by value (ranks, shape,
+names; not their groups) in DTensor's sharding propagation, so a mesh of an earlier layout may be handed back for an
+equal one of a later layout, and its groups must still work.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
-from raymoe.rank.contract import Backend
+from raymoe.rank.contract import MESH_PREFIX, Backend, rank_set_desc
+from raymoe.spec.topology import Axis, Topology
 
 
 @dataclass
@@ -65,6 +67,16 @@ class GroupPool:
             timeout=options._timeout,
             backend=self.backend,
             pg_options=options,
-            group_desc="raymoe_ranks_" + "_".join(map(str, members)),
+            group_desc=rank_set_desc(members),
         )
         return group  # type: ignore[no-any-return]
+
+
+def axis_descs(topology: Topology, rank: int) -> dict[str, str]:
+    """For ``rank``'s progress reports: each of its groups' rank-set description -> the axes of ``topology`` over
+    those ranks (``ranks_0_1`` -> ``mesh_tp``, or ``mesh_tp/ep`` where both axes group the same ranks), so the
+    driver's hang diagnosis names the sub-mesh and finds its members by axis."""
+    axes: dict[str, list[str]] = {}
+    for axis in Axis:
+        axes.setdefault(rank_set_desc(topology.group_of(rank, axis)), []).append(axis.value)
+    return {desc: MESH_PREFIX + "/".join(names) for desc, names in axes.items()}

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from raymoe.rank.contract import Backend, GroupProgress, RankProgress
@@ -44,11 +44,17 @@ class CallRecord:
     since: float = 0.0
 
 
-def progress_report(rank: int, call: CallRecord, backend: Backend | None = None) -> RankProgress:
+def progress_report(
+    rank: int, call: CallRecord, backend: Backend | None = None, descs: Mapping[str, str] | None = None
+) -> RankProgress:
     """This rank's :class:`RankProgress`, from ``call`` and the recorders of ``backend`` (None: not joined yet; no
-    collective, no GIL-heavy work)."""
+    collective, no GIL-heavy work); ``descs`` renames group descriptions (a layout's rank sets by their axes:
+    :func:`raymoe.rank.groups.axis_descs`)."""
     running = time.monotonic() - call.since if call.function is not None else 0.0
-    return RankProgress(rank, call.function, running, tuple(collective_groups(recorder_dumps(backend))))
+    groups = collective_groups(recorder_dumps(backend))
+    if descs:
+        groups = [replace(group, desc=descs.get(group.desc, group.desc)) for group in groups]
+    return RankProgress(rank, call.function, running, tuple(groups))
 
 
 def recorder_names(backend: Backend | None) -> tuple[str, ...]:

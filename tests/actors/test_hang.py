@@ -69,6 +69,43 @@ def test_a_silent_rank_is_frozen_and_ranks_in_other_groups_are_not_blamed():
     assert [w.axis for w in diagnosis.waiting] == ["fsdp", "fsdp"]
 
 
+CP2_FSDP2_TP2 = build_topology(DistributedConfig(cp_size=2, fsdp_size=2, tp_size=2))
+
+
+def test_fsdp2s_group_under_cp_has_the_fsdp_times_cp_ranks_and_blames_only_its_own():
+    """``mesh_fsdp_cp`` (torch's flattened group): ranks 0, 2, 4, 6 share one, 1, 3, 5, 7 the other; rank 2 is the one
+    behind, and the other group's ranks, which never report the first one, are not counted as late."""
+    group = {0: "8", 2: "8", 4: "8", 6: "8", 1: "9", 3: "9", 5: "9", 7: "9"}
+    entered = {rank: (4 if rank == 2 else 5) for rank in range(8)}
+    finished = {rank: (4 if group[rank] == "8" else 5) for rank in range(8)}
+    reports = {
+        rank: report(rank, **{"mesh_fsdp_cp": (group[rank], entered[rank], finished[rank], "_allgather_base")})
+        for rank in range(8)
+    }
+    diagnosis = diagnose("train_step", reports, CP2_FSDP2_TP2, 30.0)
+    assert diagnosis.absent == (2,) and diagnosis.frozen == (), diagnosis.message
+    assert [(w.axis, w.ranks) for w in diagnosis.waiting] == [("fsdp_cp", (0, 4, 6))]
+
+
+def test_a_group_is_named_by_its_axes_or_else_by_its_ranks():
+    """Two axes over the same ranks (``mesh_tp/ep``) find their members by the first; a group of an earlier layout
+    (``ranks_0_2``) by the ranks it names."""
+    layout = build_topology(DistributedConfig(tp_size=2, ep_size=2))
+    shared = {
+        0: report(0, **{"mesh_tp/ep": ("3", 9, 8, "all_to_all")}),
+        1: report(1, **{"mesh_tp/ep": ("3", 8, 8, "all_to_all")}),
+    }
+    diagnosis = diagnose("train_step", shared, layout, 30.0)
+    assert diagnosis.absent == (1,) and "all_to_all #9 on the tp/ep sub-mesh" in diagnosis.message
+    earlier = {
+        0: report(0, ranks_0_2=("7", 3, 2, "broadcast")),
+        1: report(1),
+        2: report(2, ranks_0_2=("7", 2, 2, "broadcast")),
+        3: report(3),
+    }
+    assert diagnose("train_step", earlier, TP2_FSDP2, 30.0).absent == (2,)
+
+
 def test_a_world_collective_blames_every_rank_behind_and_nothing_is_invented():
     waiting = {0: report(0, default_pg=("0", 5, 4, "barrier")), 1: report(1, default_pg=("0", 4, 4, "barrier"))}
     assert diagnose("save", waiting, None, 12.0).absent == (1,)
