@@ -3,9 +3,9 @@
 Torch-side and Ray-free. The rank actor (``actors/rank.py``) calls :func:`join_world` once, then
 runs rank functions (``raymoe.rank.*``) that take the returned :class:`RankContext` first. A world
 outlives the models loaded on it: each load sets the layout it was resolved for
-(:meth:`RankContext.use_layout`, meshes cached per shape, their groups shared by rank set: :mod:`raymoe.rank.groups`)
-and puts a :class:`LoadedModel` in
-``ctx.loaded``; unloading drops it and keeps the process group.
+(:meth:`RankContext.use_layout`, meshes cached per shape, their process groups made once per rank set:
+:mod:`raymoe.rank.groups`) and puts a :class:`LoadedModel` in ``ctx.loaded``; unloading drops it and keeps the
+process groups.
 
 Two meshes over the same ranks, named as in :mod:`raymoe.spec.topology`::
 

@@ -164,7 +164,7 @@ class StateAnswer:
     bytes_written: int = 0
 
 
-MESH_PREFIX = "mesh_"  # how DeviceMesh describes the groups it makes (``mesh_fsdp_cp``); progress reports name axes so
+MESH_PREFIX = "mesh_"  # a group named by its axes: by DeviceMesh (``mesh_fsdp_cp``), by progress reports (``mesh_tp``)
 RANK_SET_DESC = "ranks_"
 """How a layout's process group is described (``ranks_0_2``: its member ranks; :mod:`raymoe.rank.groups`). A rank's
 progress report names it by the axes of its current layout over those ranks (``mesh_fsdp``, ``mesh_tp/ep``)."""
