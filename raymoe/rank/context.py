@@ -314,24 +314,18 @@ def build_meshes(topology: Topology, device_type: str, groups: GroupPool) -> tup
     minutes in a collective a rank never reaches. The flattened ``fsdp_cp`` group is made by torch, with the same
     timeout, once per cp layout shape (the meshes are cached per shape).
     """
-    ranks = torch.arange(topology.world_size)
-    dense_grid = ranks.reshape(topology.mesh_shape(DENSE_AXES))
-    dense = DeviceMesh.from_group(
-        groups.groups_of(dense_grid),
-        device_type,
-        mesh=dense_grid,
-        mesh_dim_names=tuple(axis.value for axis in DENSE_AXES),
-    )
+    dense = _pooled_mesh(topology, DENSE_AXES, device_type, groups)
     if topology.axis_size(Axis.CP) > 1:  # FSDP2's dense shard group: fsdp and cp, adjacent in the dense view
         dense[Axis.FSDP.value, Axis.CP.value]._flatten(FSDP_CP, backend_override=(groups.backend, groups.new_options()))
-    expert_grid = ranks.reshape(topology.mesh_shape(EXPERT_AXES))
-    expert = DeviceMesh.from_group(
-        groups.groups_of(expert_grid),
-        device_type,
-        mesh=expert_grid,
-        mesh_dim_names=tuple(axis.value for axis in EXPERT_AXES),
+    return dense, _pooled_mesh(topology, EXPERT_AXES, device_type, groups)
+
+
+def _pooled_mesh(topology: Topology, axes: tuple[Axis, ...], device_type: str, groups: GroupPool) -> DeviceMesh:
+    """The mesh of ``topology``'s view over ``axes``, each dimension on the pooled group of its rank set."""
+    grid = torch.arange(topology.world_size).reshape(topology.mesh_shape(axes))
+    return DeviceMesh.from_group(
+        groups.groups_of(grid), device_type, mesh=grid, mesh_dim_names=tuple(axis.value for axis in axes)
     )
-    return dense, expert
 
 
 def mesh_backend_overrides(

@@ -27,16 +27,9 @@ SESSION_TIMEOUT_S = 300  # tests/conftest.py starts the shared worlds with colle
 
 
 def timeouts(ctx):
-    """Seconds of the world group and of each axis of both meshes, on this rank."""
-    from raymoe.rank.context import group_timeout_s
-
-    seen = {"world": group_timeout_s(dist.group.WORLD, ctx.device)}
+    """Seconds of the world group, DCP's checkpoint group and each axis of both meshes, on this rank."""
+    seen = _group_timeouts(ctx)
     seen["checkpoint"] = group_timeout_s(ctx.checkpoint_group(), torch.device("cpu"))  # DCP's gloo group
-    for mesh in (ctx.dense_mesh, ctx.expert_mesh):
-        for axis in mesh.mesh_dim_names:
-            seen[axis] = group_timeout_s(mesh.get_group(axis), ctx.device)
-    if ctx.topology.axis_size("cp") > 1:  # FSDP2's dense shard group: fsdp and cp flattened
-        seen["fsdp_cp"] = group_timeout_s(ctx.dense_mesh["fsdp_cp"].get_group(), ctx.device)
     return seen
 
 
@@ -114,6 +107,7 @@ def test_only_nccl_groups_wait_beyond_the_collective_timeout():
 
 
 def _group_timeouts(ctx):
+    """Seconds of the world group and of each axis of both meshes (and fsdp_cp under cp), on this rank."""
     seen = {"world": group_timeout_s(dist.group.WORLD, ctx.device)}
     for mesh in (ctx.dense_mesh, ctx.expert_mesh):
         for axis in mesh.mesh_dim_names:
