@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import ray
 
 from raymoe.rank.context import RankContext, join_world, leave_world
-from raymoe.rank.contract import Backend, RankFailure, RankProgress, Rendezvous
+from raymoe.rank.contract import RankFailure, RankProgress, Rendezvous, WorldBackend
 from raymoe.rank.failure import rank_failure
 from raymoe.rank.progress import CallRecord, progress_report
 
@@ -39,7 +39,7 @@ class RankActor:
         self._ctx: RankContext | None = None
         self._call = CallRecord()
         self._rank = -1
-        self._backend: Backend | None = None  # the world's, once joined: which flight recorders progress reads
+        self._backend: WorldBackend | None = None  # the world's, once joined: which flight recorders progress reads
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the process-group store."""

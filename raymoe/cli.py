@@ -1,4 +1,4 @@
-"""The ``raymoe`` command line (driver side, no cluster): ``raymoe export STATE_DIR OUT_DIR``.
+"""The ``raymoe`` command line (driver side, no cluster): ``raymoe export STATE_DIR OUT_DIR``, ``raymoe plan MODEL``.
 
     raymoe export STATE_DIR OUT_DIR [--max-shard-size BYTES]
         a hub checkpoint (config.json + safetensors, loadable by transformers) from a training state,
@@ -9,22 +9,34 @@
         the hub checkpoint of BASE (the checkpoint the LoRA state was trained on) with its adapters merged in
         (:func:`raymoe.driver.adapter_export.export_merged`)
 
-Also ``python -m raymoe.cli``. A bad state or a failed write prints one line ``raymoe export: error: ...``
-on stderr and exits 2. Imports neither ``ray`` nor ``actors``.
+    raymoe plan MODEL --gpus N --gpu-memory 80GB [--nodes K] [--seq-len S] [--batch B] [--lora-r R]
+                [--quantized-experts mxfp4] [--precision P] [--layout tp=4,fsdp=2,ep=4,ep_mode=masking ...] [--json]
+        which layouts of N GPUs fit, from config.json alone (:func:`raymoe.driver.plan.plan`): per-rank parameters,
+        gradients, AdamW states (exact), activations (estimated), the peak, communication per step, the command
+        that launches the best one
+
+Also ``python -m raymoe.cli``. A bad state, a failed write or a bad request prints one line
+``raymoe COMMAND: error: ...`` on stderr and exits 2. Imports neither ``ray`` nor ``actors``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from raymoe.checkpoint.export import export_state
 from raymoe.checkpoint.staging import CheckpointSaveError
 from raymoe.checkpoint.training_state import TrainingStateError
 from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE
 from raymoe.driver.adapter_export import export_adapter, export_merged
+from raymoe.driver.plan import MASKED_EP_PLAN, MemoryPlan, plan
+from raymoe.models.registry import build_model, parse_model_config
+from raymoe.spec.config import DistributedConfig
+from raymoe.spec.lora import LoraConfig, default_targets
 
 EXIT_ERROR = 2  # argparse's status for bad usage; a bad state or a failed write exits with it too
 
@@ -66,7 +78,100 @@ def build_parser() -> argparse.ArgumentParser:
         "--merge", action="store_true", help="a LoRA state: write BASE with the adapters merged in (needs --base)"
     )
     export.add_argument("--base", metavar="BASE", help="with --merge: the checkpoint (directory or hub id) trained on")
+    _add_plan(commands)
     return parser
+
+
+def _add_plan(commands: Any) -> None:
+    planner = commands.add_parser(
+        "plan",
+        help="which layouts of N GPUs fit a model, before launching",
+        description="Plan MODEL (a checkpoint directory or hub id; only config.json is read) on N GPUs: for each "
+        "valid layout the largest rank's parameters, gradients and AdamW states (exact, from the same plans and "
+        "shard rules the ranks apply), activations (estimated from the shapes, without and with full activation "
+        "checkpointing), the peak, and the bytes a rank sends per step; the best layout that fits and its command.",
+    )
+    planner.add_argument("model", metavar="MODEL", help="checkpoint directory or hub id")
+    planner.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    planner.add_argument("--gpu-memory", required=True, help="memory of one GPU: 80GB (10^9 bytes), 80GiB, ...")
+    planner.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are on (default: %(default)s)")
+    planner.add_argument("--seq-len", type=int, default=4096, help="tokens per row (default: %(default)s)")
+    planner.add_argument(
+        "--batch", type=int, help="rows of a micro-batch in all, split over the data-parallel ranks (default: one each)"
+    )
+    planner.add_argument("--lora-r", type=int, metavar="R", help="LoRA adapters of rank R on a frozen base")
+    planner.add_argument("--lora-targets", nargs="+", metavar="NAME", help="adapted weights (default: as finetune.py)")
+    planner.add_argument("--quantized-experts", choices=["mxfp4"], help="with --lora-r: MXFP4 experts kept packed")
+    planner.add_argument("--precision", help="bf16-mixed, bf16-pure, fp32 (default: auto, from the checkpoint)")
+    planner.add_argument("--dtype", help="compute dtype: float32, bfloat16 (default: the checkpoint's)")
+    planner.add_argument(
+        "--layout",
+        action="append",
+        metavar="SIZES",
+        help="plan this layout only (repeatable): comma-separated tp=, fsdp=, ep=, dp_replicate=, cp=, pp= and "
+        "ep_mode=masking|dispatch",
+    )
+    planner.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+_LAYOUT_KEYS = {"tp": "tp_size", "fsdp": "fsdp_size", "ep": "ep_size", "dp_replicate": "dp_replicate_size",
+                "cp": "cp_size", "pp": "pp_size"}  # fmt: skip
+
+
+def parse_layout(text: str) -> DistributedConfig:
+    """``tp=4,fsdp=2,ep=4,ep_mode=masking`` -> its DistributedConfig (``ep_mode`` defaults to the model's)."""
+    sizes: dict[str, Any] = {}
+    masked = False
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, _, value = item.partition("=")
+        if key == "ep_mode" and value in ("masking", "dispatch"):
+            masked = value == "masking"
+        elif key in _LAYOUT_KEYS and value.isdigit() and int(value) >= 1:
+            sizes[_LAYOUT_KEYS[key]] = int(value)
+        else:
+            raise ValueError(
+                f"--layout {text!r}: {item!r} is not one of {', '.join(f'{k}=N' for k in _LAYOUT_KEYS)}, "
+                "ep_mode=masking|dispatch"
+            )
+    if masked:
+        sizes["ep_plan"] = dict(MASKED_EP_PLAN)
+    return DistributedConfig(**sizes)
+
+
+def _lora(args: argparse.Namespace) -> LoraConfig | None:
+    if args.lora_r is None:
+        if args.lora_targets or args.quantized_experts:
+            raise ValueError("--lora-targets and --quantized-experts need --lora-r (LoRA adapters on a frozen base)")
+        return None
+    if args.lora_targets is not None:
+        modules = [name for name in args.lora_targets if "experts." not in name]
+        parameters = [name for name in args.lora_targets if "experts." in name]
+    else:
+        from raymoe.checkpoint.hub import resolve_config_file
+        from raymoe.models.common.config import read_config_file
+
+        raw = read_config_file(resolve_config_file(args.model).parent)
+        modules, parameters = default_targets(build_model(parse_model_config(raw), device="meta"))
+    return LoraConfig(
+        r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules=modules or None, target_parameters=parameters
+    )
+
+
+def _plan(args: argparse.Namespace) -> MemoryPlan:
+    layouts = [parse_layout(text) for text in args.layout] if args.layout else None
+    return plan(
+        args.model,
+        gpus=args.gpus,
+        gpu_memory=args.gpu_memory,
+        nodes=args.nodes,
+        seq_len=args.seq_len,
+        batch=args.batch,
+        lora=_lora(args),
+        quantized_experts=args.quantized_experts,
+        precision=args.precision,
+        dtype=args.dtype,
+        layouts=layouts,
+    )
 
 
 def _export(args: argparse.Namespace) -> list[Path]:
@@ -79,19 +184,22 @@ def _export(args: argparse.Namespace) -> list[Path]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "export":
-        try:
+    try:
+        if args.command == "export":
             if args.merge != (args.base is not None):
                 raise ValueError(
                     "--merge needs --base BASE (the checkpoint the LoRA state was trained on), and --base goes "
                     "only with --merge"
                 )
             files = _export(args)
-        except (TrainingStateError, CheckpointSaveError, ValueError) as error:
-            message = " ".join(str(error).split())  # one line, whatever the message holds
-            print(f"raymoe export: error: {message}", file=sys.stderr)
-            return EXIT_ERROR
-        print(files[0].parent if files else args.out_dir)
+            print(files[0].parent if files else args.out_dir)
+        else:
+            planned = _plan(args)
+            print(json.dumps(planned.to_json(), indent=2) if args.json else planned.table())
+    except (TrainingStateError, CheckpointSaveError, ValueError) as error:
+        message = " ".join(str(error).split())  # one line, whatever the message holds
+        print(f"raymoe {args.command}: error: {message}", file=sys.stderr)
+        return EXIT_ERROR
     return 0
 
 

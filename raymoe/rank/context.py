@@ -33,12 +33,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._C._distributed_c10d import FakeProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.generation import Generation
 from raymoe.parallel.sequence_shares import SequenceShares
-from raymoe.rank.contract import DEFAULT_COLLECTIVE_TIMEOUT_S, Backend, Rendezvous
+from raymoe.rank.contract import DEFAULT_COLLECTIVE_TIMEOUT_S, Backend, Rendezvous, WorldBackend
 from raymoe.rank.groups import GroupPool, axis_descs
 from raymoe.rank.progress import FLIGHT_RECORDER_ENTRIES
 from raymoe.spec.balance import BalanceConfig
@@ -128,7 +129,7 @@ class RankContext:
     rank: int
     world_size: int
     device: torch.device
-    backend: Backend
+    backend: WorldBackend
     # the driver's; every group's timeout is backend_timeout_s of it (NCCL's with NCCL_TIMEOUT_MARGIN_S)
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
     layout: RankLayout | None = None
@@ -261,7 +262,7 @@ def choose_binding(rank: int, backend: Backend | None, visible_devices: str | No
     return DeviceBinding("nccl", torch.device("cuda", 0))
 
 
-def backend_timeout_s(backend: Backend, collective_timeout_s: float) -> float:
+def backend_timeout_s(backend: WorldBackend, collective_timeout_s: float) -> float:
     """The process-group timeout of ``backend`` for the driver's ``collective_timeout_s``, in seconds.
 
     gloo raises in the rank at the timeout and the rank reports where it waited, so its groups keep
@@ -329,7 +330,7 @@ def _pooled_mesh(topology: Topology, axes: tuple[Axis, ...], device_type: str, g
 
 
 def mesh_backend_overrides(
-    backend: Backend, dims: int, collective_timeout_s: float, new_options: Callable[[], Any] | None = None
+    backend: WorldBackend, dims: int, collective_timeout_s: float, new_options: Callable[[], Any] | None = None
 ) -> tuple[tuple[str, Any], ...]:
     """One ``(backend, options)`` per mesh dimension, each options object made afresh by ``new_options`` (default:
     the backend's options type) and carrying :func:`backend_timeout_s`.
@@ -349,9 +350,11 @@ def mesh_backend_overrides(
     return tuple(overrides)
 
 
-def _options_type(backend: Backend) -> Callable[[], Any]:
+def _options_type(backend: WorldBackend) -> Callable[[], Any]:
     if backend == "nccl":
         return dist.ProcessGroupNCCL.Options
+    if backend == "fake":
+        return FakeProcessGroup.Options  # type: ignore[return-value]
     return dist.ProcessGroupGloo._Options  # type: ignore[attr-defined,no-any-return]
 
 

@@ -27,6 +27,9 @@ from raymoe.models.common.generation import SamplingConfig, StopRules
 from raymoe.spec.precision import PrecisionPolicy
 
 Backend = Literal["nccl", "gloo"]
+# A world's backend: a user's (nccl, gloo), or torch's "fake" one, whose collectives do nothing: the worlds of one
+# rank each that raymoe.plan shards a meta model in, to count what every rank of a layout would hold.
+WorldBackend = Literal["nccl", "gloo", "fake"]
 
 # A collective that waits longer than this ends the call (SPEC RAY-2): long enough for a slow step or shard read,
 # short enough that a hung rank is named within minutes (actors/group.py watches for it on the driver).
@@ -112,6 +115,29 @@ class LoadReport:
     trainable_params: int = 0  # local elements of parameters that take gradients (all, or the LoRA factors)
     trainable_bytes: int = 0
     frozen_params: int = 0  # local elements of the others (a LoRA model's base)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """What one rank holds of a model, in bytes of its local shards: ``parameters`` (every parameter, trainable or
+    frozen; MXFP4 experts kept packed count their packed bytes), ``gradients`` (one per trainable parameter, shaped
+    and typed like its shard: what a step holds between backward and the optimizer step), ``optimizer`` (fused
+    AdamW's two moments per trainable shard, in its dtype, and one float32 step each). Planned on meta
+    (:func:`raymoe.rank.footprint.planned_memory`) or measured on a loaded rank
+    (:func:`~raymoe.rank.footprint.held_memory`: gradients and optimizer states as they exist then, 0 where none do).
+    """
+
+    rank: int
+    parameters: int
+    gradients: int
+    optimizer: int
+    parameter_elements: int = 0  # local elements of every parameter (what FSDP2 gathers, what TP / EP split)
+    trainable_elements: int = 0  # local elements of the parameters that train (all, or the LoRA factors)
+
+    @property
+    def states(self) -> int:
+        """Parameters, gradients and optimizer states together: what a rank holds at the step's optimizer update."""
+        return self.parameters + self.gradients + self.optimizer
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
-from raymoe.rank.contract import MESH_PREFIX, Backend, rank_set_desc
+from raymoe.rank.contract import MESH_PREFIX, WorldBackend, rank_set_desc
 from raymoe.spec.topology import Axis, Topology
 
 
@@ -34,7 +34,7 @@ class GroupPool:
     """This rank's process groups by member ranks; ``groups_of`` is collective (every rank calls it, same order)."""
 
     rank: int
-    backend: Backend
+    backend: WorldBackend
     # a fresh options object of the backend carrying the groups' timeout: torch keeps a reference in each group
     new_options: Callable[[], Any]
     _groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict, repr=False)

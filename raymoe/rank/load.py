@@ -56,17 +56,15 @@ def load_shards(ctx: RankContext, spec: LaunchSpec) -> LoadReport:
     ctx.loaded = None  # a model loaded earlier on this world is dropped before the new one takes memory
     ctx.use_layout(spec.topology)
     model = spec.build_meta_model()
-    runner, pieces = _on_meta(spec, ctx, model)
     with open_checkpoint(spec.source, model, revision=spec.revision, cache_dir=spec.cache_dir) as reader:
         reader.check(
             {name: param.shape for name, param in model.named_parameters() if not is_adapter_name(name)},
             model_name=type(model).__name__,
         )
         policy = resolve_policy(spec.precision, spec.torch_dtype, reader.dtype("model.embed_tokens.weight"))
+        runner = sharded_on_meta(spec, ctx, policy, model)
         bytes_read = 0
-        for part, plans in pieces:
-            hold_in(part, policy, spec.lora)
-            shard_on_meta(part, spec, ctx, plans, policy)
+        for part in runner.parts:
             part.to_empty(device=ctx.device)
             part.tie_weights()  # to_empty gives every parameter new storage, a tied head its own copy
             bytes_read += _read_shards(part, reader)
@@ -84,6 +82,17 @@ def load_shards(ctx: RankContext, spec: LaunchSpec) -> LoadReport:
         trainable_bytes=sum(t.numel() * t.element_size() for t in trainable),
         frozen_params=sum(t.numel() for t in frozen),
     )
+
+
+def sharded_on_meta(spec: LaunchSpec, ctx: RankContext, policy: PrecisionPolicy, model: CausalLM) -> StageRunner:
+    """The runner of what this rank holds of ``model`` (the spec's meta model), every part still on meta but held in
+    the ``policy``'s dtypes and sharded as the spec's layout says: parameters are DTensor placeholders of this rank's
+    slices. What :func:`load_shards` fills, and what :func:`raymoe.rank.footprint.planned_memory` counts."""
+    runner, pieces = _on_meta(spec, ctx, model)
+    for part, plans in pieces:
+        hold_in(part, policy, spec.lora)
+        shard_on_meta(part, spec, ctx, plans, policy)
+    return runner
 
 
 def sequence_shares(ctx: RankContext, spec: LaunchSpec) -> SequenceShares:

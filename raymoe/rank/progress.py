@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from raymoe.rank.contract import Backend, GroupProgress, RankProgress
+from raymoe.rank.contract import GroupProgress, RankProgress, WorldBackend
 
 # TORCH_FR_BUFFER_SIZE: recent collectives kept per recorder; both recorders read it (FlightRecorder's constructor,
 # shared by both; its older name TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated and warns)
@@ -45,7 +45,7 @@ class CallRecord:
 
 
 def progress_report(
-    rank: int, call: CallRecord, backend: Backend | None = None, descs: Mapping[str, str] | None = None
+    rank: int, call: CallRecord, backend: WorldBackend | None = None, descs: Mapping[str, str] | None = None
 ) -> RankProgress:
     """This rank's :class:`RankProgress`, from ``call`` and the recorders of ``backend`` (None: not joined yet; no
     collective, no GIL-heavy work); ``descs`` renames group descriptions (a layout's rank sets by their axes:
@@ -57,13 +57,13 @@ def progress_report(
     return RankProgress(rank, call.function, running, tuple(groups))
 
 
-def recorder_names(backend: Backend | None) -> tuple[str, ...]:
+def recorder_names(backend: WorldBackend | None) -> tuple[str, ...]:
     """Pure: the dump functions (of ``torch._C._distributed_c10d``) of the recorders holding ``backend``'s
     collectives: NCCL's own first under NCCL, then the generic one (gloo's groups: the checkpoint group under NCCL)."""
     return (NCCL_DUMP, GENERIC_DUMP) if backend == "nccl" else (GENERIC_DUMP,)
 
 
-def recorder_dumps(backend: Backend | None) -> list[Dump]:
+def recorder_dumps(backend: WorldBackend | None) -> list[Dump]:
     """The dump functions of :func:`recorder_names` that this torch build has."""
     try:
         import torch._C._distributed_c10d as c10d

@@ -147,8 +147,12 @@ def prepare_launch(
     precision: Precision | str | None = None,
     lora: LoraConfig | str | os.PathLike[str] | Mapping[str, Any] | None = None,
     quantized_experts: str | None = None,
+    weights: bool = True,
 ) -> LaunchSpec:
-    """Validate everything that can be validated without a cluster; raise ``ValueError`` on bad input."""
+    """Validate everything that can be validated without a cluster; raise ``ValueError`` on bad input.
+
+    ``weights=False``: from ``config.json`` alone (``raymoe.plan``): a local directory's weights are neither needed
+    nor checked."""
     config = as_config(distributed_config)
     dtype_of_weights = dtype_name(dtype)
     asked = DTYPES[dtype_of_weights] if dtype_of_weights else None
@@ -161,7 +165,8 @@ def prepare_launch(
     source = str(name_or_path)
     local = Path(name_or_path).expanduser()
     if local.is_dir():  # a hub id's weights are fetched by each rank, on its node
-        check_checkpoint(local, model)
+        if weights:
+            check_checkpoint(local, model)
         source = str(local.absolute())
     adapters = resolve_lora(lora, model) if lora is not None else None
     check_quantized_experts(quantized_experts, raw, adapters)

@@ -448,3 +448,30 @@ def add_adapters(model: nn.Module, spec: LoraSpec) -> None:
         else:
             add_expert_adapter(module, target.param, target.shape)
     freeze_base(model)
+
+
+def default_targets(model: nn.Module) -> tuple[list[str], list[str]]:
+    """``(target_modules, target_parameters)`` of the default adapters, read from ``model`` (the meta model; a target
+    that matches nothing is an error): every linear layer of the attention, by its name (q_proj, k_proj, v_proj,
+    o_proj; DeepSeek-V3's MLA: q_proj or q_a_proj and q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj), and the
+    fused expert weights of a MoE model (mlp.experts.gate_up_proj, mlp.experts.down_proj; a dense model has none).
+    What ``examples/finetune.py`` and ``raymoe plan`` adapt when no targets are given."""
+    linear = [name for name, module in model.named_modules() if type(module) is nn.Linear]
+    modules: list[str] = []
+    for name in linear:
+        leaf = name.rpartition(".")[2]
+        if ".self_attn." in name and leaf not in modules:
+            modules.append(leaf)
+    # A leaf name that a linear layer outside the attention has too would adapt that one as well: qualified then.
+    modules = [
+        leaf if all(".self_attn." in name for name in linear if name.endswith(f".{leaf}")) else f"self_attn.{leaf}"
+        for leaf in modules
+    ]
+    parameters: list[str] = []
+    for name, param in model.named_parameters():
+        module_name, _, _ = name.rpartition(".")
+        if param.ndim == 3 and getattr(model.get_submodule(module_name), EXPERT_BATCHED_ATTR, False):
+            entry = re.sub(r"^(.*\.)?\d+\.", "", name)  # model.layers.0.mlp.experts.down_proj -> mlp.experts.down_proj
+            if entry not in parameters:
+                parameters.append(entry)
+    return modules, parameters
