@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +34,18 @@ class MetricsLog:
     the file's records up to that step (train and eval) are kept, later ones dropped (they came after the state
     and the run will make them again), and the file is rewritten with those (atomically: a crash leaves either
     the old or the new file) before it is appended to. A line a crash cut short at the end is dropped too.
+    ``on_append`` is given each record appended (the Trainer's experiment trackers).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, keep_through_step: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        keep_through_step: int | None = None,
+        on_append: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         self.path = Path(path)
+        self.on_append = on_append
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.records: list[dict[str, Any]] = []
         if keep_through_step is not None and self.path.is_file():
@@ -50,6 +58,8 @@ class MetricsLog:
         self.records.append(record)
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.on_append is not None:
+            self.on_append(record)
 
 
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

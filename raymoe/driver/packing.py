@@ -109,6 +109,17 @@ class PackedData:
         ids = ids.to(torch.int64)
         return cls(ids, torch.ones_like(ids))
 
+    @classmethod
+    def of(cls, data: PackedData | Tensor | np.ndarray) -> PackedData:
+        """``data`` as it is, or 2-D rows of token ids as :meth:`from_rows` (what the Trainer takes as data)."""
+        if isinstance(data, PackedData):
+            return data
+        if isinstance(data, Tensor | np.ndarray):
+            return cls.from_rows(data)
+        raise ValueError(
+            f"training data must be raymoe.PackedData or a 2-D array of token ids, got {type(data).__name__}"
+        )
+
     @property
     def num_sequences(self) -> int:
         return int(self.input_ids.shape[0])

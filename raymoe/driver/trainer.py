@@ -9,10 +9,10 @@
                                  micro_batches=gradient_accumulation_steps) -> metrics.jsonl + progress bar;
                                  eval before the first step, every eval_every steps and after the last;
                                  checkpoint/adapter every save_every steps and at the end; training state every
-                                 save_state_every steps; metrics.png at the end; a failed step goes to the
-                                 failure policy (recovery), a signal stops at the next boundary (interrupts)
-      evaluate() / save()        on request (save_adapter(): a LoRA model's PEFT directory)
-      save_state()
+                                 save_state_every steps; metrics.png at the end; every record and the plot also to
+                                 the report_to trackers (trackers/); a failed step goes to the failure policy
+                                 (recovery), a signal stops at the next boundary (interrupts)
+      evaluate() / save()        on request (also save_adapter(): a LoRA model's PEFT directory; save_state())
 
 Resuming (``resume_from="latest"`` or a state directory): the whole training state (weights, AdamW, balance
 settings, RNG) comes back through ``model.load_state`` alone, under any layout and world size (no optimizer is
@@ -53,6 +53,7 @@ from raymoe.driver.resume import position, resume_step, warn_changed_settings
 from raymoe.driver.run_directory import LATEST
 from raymoe.driver.step_records import TrainSummary, progress_postfix, step_record
 from raymoe.driver.tokenizer import TextTokenizer
+from raymoe.driver.trackers import Trackers
 from raymoe.driver.trainer_config import TrainerConfig, check_int
 from raymoe.models.common.loss import IGNORE_INDEX
 
@@ -77,8 +78,8 @@ class Trainer:
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
-        self.train_data = _as_packed(train_data)
-        self.eval_data = _as_packed(eval_data) if eval_data is not None else None
+        self.train_data = PackedData.of(train_data)
+        self.eval_data = PackedData.of(eval_data) if eval_data is not None else None
         self._check_data(self.train_data, "train data", min_rows=config.global_batch_size)
         if self.eval_data is not None:
             self._check_data(self.eval_data, "eval data", min_rows=1)
@@ -120,7 +121,9 @@ class Trainer:
                 self.run.clear_unsaved(checkpoint=config.save_checkpoint, adapter=config.save_adapter)
             model.use_training_config(config.optimizer(), config.balance_options())
         self._batches = self._batches_from(self.step)
-        self.log = MetricsLog(self.run.metrics, keep_through_step=self.step if checked is not None else None)
+        kept = self.step if checked is not None else None  # a resumed run keeps its records (and tracker runs)
+        self.trackers = Trackers(config, self.run, resumed_at=kept)
+        self.log = MetricsLog(self.run.metrics, keep_through_step=kept, on_append=self.trackers.log)
 
     def _batches_from(self, step: int) -> Iterator[Tensor]:
         return batch_indices(self.train_data.num_sequences, self.config.global_batch_size, self.config.seed, step)
@@ -164,20 +167,22 @@ class Trainer:
         """Run ``num_steps`` more optimizer steps (default: to the end of the schedule, ``config.steps``)."""
         count = self.config.steps - self.step if num_steps is None else num_steps
         check_int("num_steps", count, minimum=0)
-        eval_before = self._evaluate_record(0) if self.step == 0 and self.eval_data is not None else None
-        begin = self.step
-        self._last_state = None
-        with self._stops.listening():
-            train_time, saved = self._run_steps(count)
-        # also a run resumed from a state of its last step, which may have stopped before its final checkpoint
-        finished_unsaved = self.resumed_from is not None and not self.run.saved(
-            checkpoint=self.config.save_checkpoint, adapter=self.config.save_adapter
-        )
-        if self.config.save_at_end and (count > 0 or finished_unsaved) and not self._save_due():
-            saved = self._save_due_files()
-        checkpoint, adapter = saved
-        self._finish_state_save()
-        plot = plot_metrics(self.log.records, self.run.plot) if self.log.records else None
+        with self.trackers.opened(self.model, self.step):
+            eval_before = self._evaluate_record(0) if self.step == 0 and self.eval_data is not None else None
+            begin = self.step
+            self._last_state = None
+            with self._stops.listening():
+                train_time, saved = self._run_steps(count)
+            # also a run resumed from a state of its last step, which may have stopped before its final checkpoint
+            finished_unsaved = self.resumed_from is not None and not self.run.saved(
+                checkpoint=self.config.save_checkpoint, adapter=self.config.save_adapter
+            )
+            if self.config.save_at_end and (count > 0 or finished_unsaved) and not self._save_due():
+                saved = self._save_due_files()
+            checkpoint, adapter = saved
+            self._finish_state_save()
+            plot = plot_metrics(self.log.records, self.run.plot) if self.log.records else None
+            self.trackers.log_image(plot, self.step)
         run = [r for r in self.log.records if "loss" in r and r["step"] > begin]
         evals = [r["eval_loss"] for r in run if "eval_loss" in r]
         return TrainSummary(
@@ -265,7 +270,8 @@ class Trainer:
             self.step = 0
             self.model.use_training_config(self.config.optimizer(), self.config.balance_options())
         self._batches = self._batches_from(self.step)
-        self.log = MetricsLog(self.log.path, keep_through_step=self.step)
+        self.log = MetricsLog(self.log.path, keep_through_step=self.step, on_append=self.trackers.log)
+        self.trackers.rewind(self.step)
         self._restart_record = RestartRecord(self.restarts, self.step, failed_step + 1, state, cause, failed_at)
 
     def _log_restart(self) -> None:
@@ -287,6 +293,7 @@ class Trainer:
             document_ids=batch.document_ids,
         )
         self.step += 1
+        self.trackers.note_step(self.step, metrics)
         return step_record(self.step, metrics, time.perf_counter() - start)
 
     def _eval_due(self) -> bool:
@@ -310,7 +317,7 @@ class Trainer:
 
     def evaluate(self, data: PackedData | Tensor | np.ndarray | None = None) -> float:
         """Mean loss over every label token of ``data`` (default: the eval data), forward only."""
-        packed = _as_packed(data) if data is not None else self.eval_data
+        packed = PackedData.of(data) if data is not None else self.eval_data
         if packed is None:
             raise ValueError("evaluate() needs data: pass it, or give the Trainer eval_data")
         if data is not None:
@@ -389,11 +396,3 @@ class Trainer:
     def history(self) -> list[dict[str, Any]]:
         """Every record written to ``metrics.jsonl`` so far."""
         return list(self.log.records)
-
-
-def _as_packed(data: PackedData | Tensor | np.ndarray) -> PackedData:
-    if isinstance(data, PackedData):
-        return data
-    if isinstance(data, Tensor | np.ndarray):
-        return PackedData.from_rows(data)
-    raise ValueError(f"training data must be raymoe.PackedData or a 2-D array of token ids, got {type(data).__name__}")

@@ -1,4 +1,5 @@
-"""What a :class:`~raymoe.driver.trainer.Trainer` run does: steps, batch, schedule, AdamW, balance, saving, resuming.
+"""What a :class:`~raymoe.driver.trainer.Trainer` run does: steps, batch, schedule, AdamW, balance, saving, resuming,
+experiment trackers.
 
 Every field is checked when the config is built (a ``ValueError`` naming it), before any rank is asked;
 the AdamW defaults are :class:`~raymoe.spec.optimizer.OptimizerConfig`'s, the balance options
@@ -8,11 +9,13 @@ the AdamW defaults are :class:`~raymoe.spec.optimizer.OptimizerConfig`'s, the ba
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from raymoe.driver.run_directory import LATEST, RunDirectory
 from raymoe.driver.schedule import WarmupCosine
+from raymoe.driver.trackers.names import resolve_report_to
 from raymoe.spec.balance import DEFAULT_BIAS_UPDATE_RATE, BalanceOptions
 from raymoe.spec.optimizer import OptimizerConfig
 
@@ -47,6 +50,12 @@ class TrainerConfig:
     an uninterrupted one; 0 raises the first failure.
     Ctrl-C (SIGINT) or SIGTERM during :meth:`Trainer.fit` stops after the step in progress, saves the training state
     there (``save_state_on_interrupt``) and raises :class:`TrainingInterrupted`; a second one stops at once.
+
+    ``report_to``: the experiment trackers each step, the config and the plot go to (:mod:`raymoe.driver.trackers`):
+    ``"none"``, ``"all"`` (each whose library is installed), or one or a list of ``"tensorboard"``, ``"mlflow"``,
+    ``"wandb"``, ``"trackio"``; normalised here to the tuple of names (a named tracker whose library is missing is an
+    error naming its extra, ``pip install 'raymoe[mlflow]'``). ``logging_dir``: TensorBoard's directory (None:
+    ``output_dir/runs``); ``run_name``: the run's name in the trackers (None: ``output_dir``'s name).
     """
 
     output_dir: str | Path
@@ -78,8 +87,18 @@ class TrainerConfig:
     overwrite: bool = False
     max_failures: int = 0
     save_state_on_interrupt: bool = True
+    report_to: str | Sequence[str] = "none"
+    logging_dir: str | os.PathLike[str] | None = None
+    run_name: str | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "report_to", resolve_report_to(self.report_to))
+        if self.run_name is not None and (not isinstance(self.run_name, str) or not self.run_name):
+            raise ValueError(f"TrainerConfig: run_name={self.run_name!r} must be None or a non-empty str")
+        if self.logging_dir is not None and (
+            not isinstance(self.logging_dir, str | os.PathLike) or not str(self.logging_dir)
+        ):
+            raise ValueError(f"TrainerConfig: logging_dir={self.logging_dir!r} must be None or a directory path")
         for name in ("steps", "global_batch_size", "gradient_accumulation_steps"):
             check_int(name, getattr(self, name), minimum=1)
         check_int("seed", self.seed, minimum=0)
@@ -123,6 +142,11 @@ class TrainerConfig:
         return OptimizerConfig(
             lr=self.lr, weight_decay=self.weight_decay, betas=self.betas, eps=self.eps, max_grad_norm=self.max_grad_norm
         )
+
+    @property
+    def trackers(self) -> tuple[str, ...]:
+        """The trackers ``report_to`` resolved to (empty: none)."""
+        return tuple(self.report_to)
 
     def run_directory(self) -> RunDirectory:
         return RunDirectory(self.output_dir)
