@@ -21,9 +21,10 @@
 
 The driver connects to the Ray cluster it runs in (``RAY_ADDRESS``, as ``ray job submit`` sets it;
 a cluster started on this machine; else a new local instance). Bad input (a missing or empty
-dataset, a sequence longer than the model allows, sizes that do not fit the cluster) ends the
-run with one error line before any training step, as does an --output-dir that holds an earlier run when
-neither --resume (continue it) nor --overwrite (start over) is given: checked before the cluster starts.
+dataset, a sequence longer than the model allows, sizes that do not fit the cluster, a --report-to tracker that is
+unknown or not installed) ends the run with one error line before any training step, as does an --output-dir that
+holds an earlier run when neither --resume (continue it) nor --overwrite (start over) is given: checked before the
+cluster starts.
 So do LoRA flags that contradict each other or do not fit the model (--adapter with --lora-r, --lora-r 0, a target
 the model lacks), and bad chat data (a conversation without an assistant turn, an unknown role, one longer than
 --seq-len without --overlong truncate|drop, conversations for a checkpoint without a chat template), naming file and
@@ -229,6 +230,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="checkpoint (or LoRA adapter), metrics, plot (default: %(default)s)",
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument(
+        "--report-to",
+        nargs="+",
+        default=["none"],
+        metavar="TRACKER",
+        help="experiment trackers each step, the config and the plot go to: none, all (each installed), tensorboard, "
+        "mlflow, wandb, trackio (pip install 'raymoe[NAME]'; settings from their environment variables, e.g. "
+        "MLFLOW_TRACKING_URI, WANDB_PROJECT, WANDB_MODE=offline) (default: none)",
+    )
+    train.add_argument("--run-name", help="the run's name in the trackers (default: --output-dir's name)")
+    train.add_argument("--logging-dir", type=Path, help="TensorBoard's event files (default: OUTPUT_DIR/runs)")
 
     lora = parser.add_argument_group("LoRA adapters (the base frozen, only the adapters train; PEFT's format)")
     lora.add_argument(
@@ -508,6 +520,9 @@ def trainer_config(args: argparse.Namespace) -> raymoe.TrainerConfig:
         resume_from="latest" if args.resume else args.resume_from,
         overwrite=args.overwrite,
         max_failures=args.max_failures,
+        report_to=args.report_to,
+        run_name=args.run_name,
+        logging_dir=args.logging_dir,
     )
 
 

@@ -488,3 +488,22 @@ def test_the_default_lora_targets_fit_each_family(finetune, tiny_checkpoint, tmp
     assert lora.trainable == sum(
         16 * (shape[-1] + shape[-2]) * (shape[0] if len(shape) == 3 else 1) for shape in shapes
     )
+
+
+def test_report_to_flags_reach_the_trainer_config_and_a_bad_one_is_one_error(finetune, tmp_path, monkeypatch, capsys):
+    import actors.cluster
+
+    def asked(*_args, **_kwargs):
+        raise AssertionError("the cluster was asked for")
+
+    monkeypatch.setattr(actors.cluster, "connect", asked)
+    args = ["--output-dir", str(tmp_path), "--report-to", "tensorboard", "wandb", "--run-name", "r1"]
+    config = finetune.trainer_config(finetune.parse_args(args))
+    assert config.trackers == ("tensorboard", "wandb") and config.run_name == "r1" and config.logging_dir is None
+    assert finetune.trainer_config(finetune.parse_args([])).trackers == ()  # default: none
+    assert finetune.main(["--output-dir", str(tmp_path), "--report-to", "comet", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "finetune.py: error: TrainerConfig: report_to=['comet'] names unknown tracker(s) comet; allowed: "
+        "tensorboard, mlflow, wandb, trackio, all, none"
+    ]
