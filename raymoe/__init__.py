@@ -6,7 +6,7 @@ The folders say which process runs the code (see ARCHITECTURE.md): ``spec/`` (dr
 is the only code that imports ``ray``.
 """
 
-from raymoe.api import from_pretrained, start_world
+from raymoe.api import from_pretrained, plan, start_world
 from raymoe.checkpoint import load_model, save_model
 from raymoe.checkpoint.export import export_state
 from raymoe.driver.dataset import load_dataset
@@ -51,6 +51,7 @@ __all__ = [
     "load_dataset",
     "load_model",
     "load_tokenizer",
+    "plan",
     "register",
     "save_model",
     "start_world",

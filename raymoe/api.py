@@ -1,4 +1,5 @@
-"""The public entry points that start ranks: ``raymoe.from_pretrained`` and ``raymoe.start_world``.
+"""The public entry points that start ranks: ``raymoe.from_pretrained`` and ``raymoe.start_world``; and
+``raymoe.plan``, which simulates them (:class:`raymoe.rank.fake.FakeWorlds`) to say what each would hold.
 
 The composition root: everything checkable without a cluster is checked here first (config,
 plans, the checkpoint's ``config.json``, in :mod:`raymoe.spec.launch`), then the Ray side
@@ -16,7 +17,10 @@ import torch
 
 from raymoe.driver.group import RankGroup
 from raymoe.driver.handle import DistributedModel
+from raymoe.driver.memory_plan import MemoryPlan
+from raymoe.driver.plan import plan_memory
 from raymoe.rank.contract import DEFAULT_COLLECTIVE_TIMEOUT_S, Backend
+from raymoe.rank.fake import FakeWorlds
 from raymoe.spec.config import DistributedConfig
 from raymoe.spec.launch import as_config, prepare_launch
 from raymoe.spec.lora import LoraConfig
@@ -111,6 +115,17 @@ def from_pretrained(
         spec.topology.world_size, use_gpu, cpus_per_rank, backend, placement_timeout_s, collective_timeout_s
     )
     return DistributedModel.launch(spec, RayRankGroup.for_topology(spec.topology, options), owns_group=True)
+
+
+def plan(model: str | os.PathLike[str], *, gpus: int, gpu_memory: str | int, **options: Any) -> MemoryPlan:
+    """Which layouts of ``gpus`` GPUs of ``gpu_memory`` (``"80GB"``) fit ``model``, from its ``config.json`` alone:
+    per rank the parameters, gradients and AdamW states (exact: the meta model sharded in simulated worlds, as the
+    ranks shard it), the step's activations (estimated), the peak, the bytes sent per step, ranked, and the command
+    that launches the best (:func:`raymoe.driver.plan.plan_memory`, whose keywords ``options`` are: ``nodes``,
+    ``seq_len``, ``batch``, ``lora``, ``quantized_experts``, ``precision``, ``dtype``, ``layouts``, ``all_ranks``,
+    ``device``, ``revision``, ``cache_dir``). Runs in this process, which must not hold a torch.distributed world of
+    its own (a ``LocalRankGroup``); ``raymoe plan`` is the same on the command line."""
+    return plan_memory(model, gpus=gpus, gpu_memory=gpu_memory, worlds=FakeWorlds(), **options)
 
 
 def start_world(

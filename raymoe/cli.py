@@ -11,12 +11,13 @@
 
     raymoe plan MODEL --gpus N --gpu-memory 80GB [--nodes K] [--seq-len S] [--batch B] [--lora-r R]
                 [--quantized-experts mxfp4] [--precision P] [--layout tp=4,fsdp=2,ep=4,ep_mode=masking ...] [--json]
-        which layouts of N GPUs fit, from config.json alone (:func:`raymoe.driver.plan.plan`): per-rank parameters,
-        gradients, AdamW states (exact), activations (estimated), the peak, communication per step, the command
-        that launches the best one
+        which layouts of N GPUs fit, from config.json alone (:func:`raymoe.driver.plan.plan_memory`, on simulated
+        ranks: :mod:`raymoe.rank.fake`): per-rank parameters, gradients, AdamW states (exact), the step's growth
+        (estimated), the peak, communication per step, the command that launches the best one
 
 Also ``python -m raymoe.cli``. A bad state, a failed write or a bad request prints one line
-``raymoe COMMAND: error: ...`` on stderr and exits 2. Imports neither ``ray`` nor ``actors``.
+``raymoe COMMAND: error: ...`` on stderr and exits 2. Imports neither ``ray`` nor ``actors``; of the rank room only
+the simulated worlds ``raymoe plan`` runs its rank function on.
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ from raymoe.checkpoint.staging import CheckpointSaveError
 from raymoe.checkpoint.training_state import TrainingStateError
 from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE
 from raymoe.driver.adapter_export import export_adapter, export_merged
-from raymoe.driver.plan import MASKED_EP_PLAN, MemoryPlan, plan
+from raymoe.driver.candidate_layouts import MASKED_EP_PLAN
+from raymoe.driver.memory_plan import MemoryPlan
+from raymoe.driver.plan import plan_memory
 from raymoe.models.registry import build_model, parse_model_config
+from raymoe.rank.fake import FakeWorlds
 from raymoe.spec.config import DistributedConfig
 from raymoe.spec.lora import LoraConfig, default_targets
 
@@ -111,6 +115,9 @@ def _add_plan(commands: Any) -> None:
         help="plan this layout only (repeatable): comma-separated tp=, fsdp=, ep=, dp_replicate=, cp=, pp= and "
         "ep_mode=masking|dispatch",
     )
+    planner.add_argument(
+        "--device", choices=["cuda", "cpu"], default="cuda", help="the ranks' device (default: %(default)s)"
+    )
     planner.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -159,7 +166,7 @@ def _lora(args: argparse.Namespace) -> LoraConfig | None:
 
 def _plan(args: argparse.Namespace) -> MemoryPlan:
     layouts = [parse_layout(text) for text in args.layout] if args.layout else None
-    return plan(
+    return plan_memory(
         args.model,
         gpus=args.gpus,
         gpu_memory=args.gpu_memory,
@@ -171,6 +178,8 @@ def _plan(args: argparse.Namespace) -> MemoryPlan:
         precision=args.precision,
         dtype=args.dtype,
         layouts=layouts,
+        device=args.device,
+        worlds=FakeWorlds(),
     )
 
 

@@ -141,6 +141,17 @@ class RankMemory:
 
 
 @dataclass(frozen=True)
+class PlannedRank:
+    """A rank of a planned layout (``raymoe.plan``): what it will hold (exact), and what FSDP2 gathers of its largest
+    decoder layer (``layer_gathered``: the unsharded weights in the dtype they compute in; ``layer_gradients``: their
+    unsharded gradients before the reduce-scatter, in the reduce dtype; both 0 where FSDP2 does not wrap)."""
+
+    memory: RankMemory
+    layer_gathered: int = 0
+    layer_gradients: int = 0
+
+
+@dataclass(frozen=True)
 class SaveResult:
     """One rank's answer to ``save_gathered``: rank 0's files, or why it saved nothing (``error``, a message
     naming the file and the cause; ``errno``, the disk's code when it gave one). Other ranks answer an empty one."""

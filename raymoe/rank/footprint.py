@@ -1,10 +1,10 @@
 """What a rank holds of a model, in bytes: planned on meta before any cluster starts, or measured on a loaded rank.
 
-    planned_memory(spec, rank, checkpoint_dtype)       in this process, no cluster, no weights:
-        a fake world of ``topology.world_size`` ranks in which this process is ``rank`` (torch's "fake" backend:
-        process groups whose collectives do nothing) -> the spec's meta model, held in the precision policy's dtypes
+    planned_memory(ctx, spec, checkpoint_dtype)        a rank function, on a simulated rank (raymoe.rank.fake: no
+        cluster, no weights; a PlannedRank) -> the spec's meta model, held in the precision policy's dtypes
         and sharded exactly as :func:`raymoe.rank.load.load_shards` shards it (TP -> EP -> packed experts ->
-        activation checkpointing -> FSDP2, the same functions) -> the local shard of every placeholder, counted
+        activation checkpointing -> FSDP2, the same functions) -> the local shard of every placeholder, counted;
+        and what FSDP2 gathers of the largest decoder layer (for the step's estimate)
     held_memory(ctx)                                   a rank function, on a loaded rank: the same count of its
                                                        real shards, gradients and AdamW states
 
@@ -17,59 +17,81 @@ parameters (a LoRA base, MXFP4 experts kept packed) have neither.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+import re
+from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from raymoe.parallel.sharding import local_tensor
 from raymoe.rank.context import RankContext
-from raymoe.rank.contract import RankMemory
+from raymoe.rank.contract import PlannedRank, RankMemory
 from raymoe.rank.load import sharded_on_meta
 from raymoe.spec.launch import LaunchSpec
 from raymoe.spec.precision import resolve_policy
+from raymoe.spec.topology import FSDP_CP, Axis
 
 ADAMW_MOMENTS = 2  # exp_avg, exp_avg_sq: each shaped and typed like the parameter's shard
 ADAMW_STEP_BYTES = 4  # fused AdamW's per-parameter step: a 0-d float32 tensor
 
 
-@contextmanager
-def fake_world(rank: int, world_size: int) -> Iterator[RankContext]:
-    """This process as ``rank`` of a world of ``world_size`` whose collectives do nothing (torch's "fake" backend),
-    for building meshes and sharding on meta; the world is left on exit. A process that already has a
-    ``torch.distributed`` world cannot host one (it has one default group)."""
-    if dist.is_initialized():
-        raise RuntimeError(
-            "planning needs a process without a torch.distributed world (it builds fake worlds of the layout's size); "
-            "this one has one (a LocalRankGroup, or init_process_group): plan before it, or run `raymoe plan`"
-        )
-    dist.init_process_group("fake", rank=rank, world_size=world_size)
-    try:
-        yield RankContext(rank, world_size, torch.device("cpu"), "fake")
-    finally:
-        dist.destroy_process_group()
-
-
-def planned_memory(spec: LaunchSpec, rank: int, checkpoint_dtype: torch.dtype) -> RankMemory:
-    """What ``rank`` of ``spec``'s layout will hold once loaded and trained one step, counted on meta in a fake
-    world. ``checkpoint_dtype``: the dtype the checkpoint stores its weights in (the policy's ``auto`` reads it)."""
+def planned_memory(ctx: RankContext, spec: LaunchSpec, checkpoint_dtype: torch.dtype) -> PlannedRank:
+    """Rank function, on a simulated rank (:class:`raymoe.rank.fake.FakeWorlds`): what this rank of ``spec``'s layout
+    will hold once loaded and trained one step, counted on meta. ``checkpoint_dtype``: the dtype the checkpoint
+    stores its weights in (the precision policy's ``auto`` reads it)."""
     policy = resolve_policy(spec.precision, spec.torch_dtype, checkpoint_dtype)
-    with fake_world(rank, spec.topology.world_size) as ctx:
-        ctx.use_layout(spec.topology)
-        runner = sharded_on_meta(spec, ctx, policy, spec.build_meta_model())
-        params = _unique(p for part in runner.parts for p in part.parameters())
+    ctx.use_layout(spec.topology)
+    runner = sharded_on_meta(spec, ctx, policy, spec.build_meta_model())
+    named = {id(p): (name, p) for part in runner.parts for name, p in part.named_parameters()}
+    wrapped = any(isinstance(m, FSDPModule) for part in runner.parts for m in part.modules())
+    params = [p for _, p in named.values()]
     trainable = [local_tensor(p) for p in params if p.requires_grad]
     trainable_bytes = _bytes(trainable)
-    return RankMemory(
-        rank,
+    memory = RankMemory(
+        ctx.rank,
         parameters=_bytes(local_tensor(p) for p in params),
         gradients=trainable_bytes,
         optimizer=ADAMW_MOMENTS * trainable_bytes + ADAMW_STEP_BYTES * len(trainable),
         parameter_elements=sum(local_tensor(p).numel() for p in params),
         trainable_elements=sum(t.numel() for t in trainable),
     )
+    if not wrapped:
+        return PlannedRank(memory)
+    gathered: dict[str, int] = {}
+    gradients: dict[str, int] = {}
+    for name, param in named.values():
+        layer = _LAYER.match(name)
+        if layer is None:
+            continue
+        numel = _gathered_numel(param)
+        computes_in = policy.compute if param.is_floating_point() else param.dtype
+        gathered[layer.group(0)] = gathered.get(layer.group(0), 0) + numel * computes_in.itemsize
+        if param.requires_grad:
+            gradients[layer.group(0)] = gradients.get(layer.group(0), 0) + numel * policy.reduce.itemsize
+    largest = max(gathered, key=lambda layer: gathered[layer], default=None)
+    if largest is None:
+        return PlannedRank(memory)
+    return PlannedRank(memory, gathered[largest], gradients.get(largest, 0))
+
+
+_LAYER = re.compile(r"^model\.layers\.\d+\.")
+_FSDP_SHARD_AXES = (Axis.FSDP.value, Axis.EFSDP.value, FSDP_CP)
+
+
+def _gathered_numel(param: nn.Parameter) -> int:
+    """Elements of ``param`` once FSDP2 gathers it: its local shard times the sizes of the mesh axes FSDP2 shards it
+    over (tp and ep shards stay)."""
+    local = local_tensor(param).numel()
+    if not isinstance(param, DTensor):
+        return local
+    mesh = param.device_mesh
+    names = mesh.mesh_dim_names or ()
+    for dim, (name, placement) in enumerate(zip(names, param.placements, strict=False)):
+        if name in _FSDP_SHARD_AXES and placement.is_shard():
+            local *= mesh.size(dim)
+    return local
 
 
 def held_memory(ctx: RankContext) -> RankMemory:

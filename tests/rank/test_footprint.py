@@ -6,15 +6,20 @@ kept packed, pipelines). Planned in a fake world on meta, from config.json alone
 import pytest
 import torch
 
-from raymoe.driver.plan import plan
+from raymoe import plan
 from raymoe.rank.contract import MicroBatch
-from raymoe.rank.footprint import fake_world, held_memory
+from raymoe.rank.fake import fake_world
+from raymoe.rank.footprint import held_memory
 from raymoe.spec.config import DistributedConfig
 
 MOE = "moe_e8_k2_mha"
 MASKED = {"model.layers.*.mlp.gate": "ep_router", "model.layers.*.mlp.experts": "moe_tp_experts"}
 ROWS, SEQ = 4, 8
-LORA = {"r": 4, "target_modules": ["q_proj", "o_proj"], "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+LORA = {
+    "r": 4,
+    "target_modules": ["q_proj", "o_proj"],
+    "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+}
 
 QWEN3_LAYOUTS = {
     "single": {},
@@ -110,5 +115,5 @@ def test_packed_mxfp4_plan_equals_loaded_ranks(load_on_world, gpt_oss_mxfp4_chec
 
 def test_planning_refuses_a_process_with_a_world(load_local, tiny_checkpoint):
     load_local(tiny_checkpoint(MOE))
-    with pytest.raises(RuntimeError, match="without a torch.distributed world"), fake_world(0, 2):
+    with pytest.raises(RuntimeError, match=r"without a torch\.distributed world"), fake_world(0, 2):
         pass
