@@ -34,22 +34,19 @@ row.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 from typing import Any, NamedTuple
-
-from torch import nn
 
 import raymoe
 from actors import PlacementError, RankError
 from raymoe.checkpoint import resolve_config_file
 from raymoe.driver.batch import check_input_ids
+from raymoe.driver.candidate_layouts import masked_ep_plan
 from raymoe.driver.tokenizer import load_chat_template
 from raymoe.models import ModelConfig, build_model, load_model_config
 from raymoe.models.common.lora import adapter_parameters
-from raymoe.models.common.shard_hints import EXPERT_BATCHED_ATTR
-from raymoe.spec.lora import LoraSpec, add_adapters, resolve_lora
+from raymoe.spec.lora import LoraSpec, add_adapters, default_targets, is_expert_weight, resolve_lora
 
 EXAMPLES = Path(__file__).resolve().parent
 DEFAULT_DATASET = EXAMPLES / "data" / "corpus.txt"
@@ -141,6 +138,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     layout.add_argument("--tp-size", type=int, help="tensor-parallel degree")
     layout.add_argument("--fsdp-size", type=int, help="FSDP shard degree")
     layout.add_argument("--ep-size", type=int, help="expert-parallel degree")
+    layout.add_argument(
+        "--ep-mode",
+        choices=("dispatch", "masking"),
+        help="expert parallelism by token dispatch (the families' default; any --ep-size that divides fsdp x tp) or "
+        "by masking (routers mask, experts sum over the tp group; needs --ep-size equal to --tp-size)",
+    )
     layout.add_argument("--dp-replicate-size", type=int, help="HSDP replicas (nodes)")
     layout.add_argument(
         "--cp-size",
@@ -334,9 +337,9 @@ def number(text: str) -> int | float:
     return int(value) if value.is_integer() else value
 
 
-def layout_of(args: argparse.Namespace) -> dict[str, int | str | bool]:
+def layout_of(args: argparse.Namespace) -> dict[str, Any]:
     """DEFAULT_LAYOUT with the sizes given on the command line replacing its entries (and activation
-    checkpointing, when asked for)."""
+    checkpointing, sequence parallelism and masked EP, when asked for)."""
     given = {
         "tp_size": args.tp_size,
         "fsdp_size": args.fsdp_size,
@@ -345,7 +348,7 @@ def layout_of(args: argparse.Namespace) -> dict[str, int | str | bool]:
         "cp_size": args.cp_size,
         "cp_mode": args.cp_mode,
     }
-    layout: dict[str, int | str | bool] = {
+    layout: dict[str, Any] = {
         **DEFAULT_LAYOUT,
         **{name: size for name, size in given.items() if size is not None},
     }
@@ -431,39 +434,6 @@ def check_lora_flags(args: argparse.Namespace) -> None:
         )
 
 
-def default_lora_targets(model: nn.Module) -> tuple[list[str], list[str]]:
-    """``(target_modules, target_parameters)`` when --lora-targets is not given, read from ``model`` (the meta
-    model), since a target that matches nothing is an error: every linear layer of the attention, by its name
-    (q_proj, k_proj, v_proj, o_proj; DeepSeek-V3's MLA: q_proj or q_a_proj and q_b_proj, kv_a_proj_with_mqa,
-    kv_b_proj, o_proj), and the fused expert weights of a MoE model (mlp.experts.gate_up_proj,
-    mlp.experts.down_proj; a dense model has none)."""
-    linear = [name for name, module in model.named_modules() if type(module) is nn.Linear]
-    modules: list[str] = []
-    for name in linear:
-        leaf = name.rpartition(".")[2]
-        if ".self_attn." in name and leaf not in modules:
-            modules.append(leaf)
-    # A leaf name that a linear layer outside the attention has too would adapt that one as well: qualified then.
-    modules = [
-        leaf if all(".self_attn." in name for name in linear if name.endswith(f".{leaf}")) else f"self_attn.{leaf}"
-        for leaf in modules
-    ]
-    parameters: list[str] = []
-    for name, param in model.named_parameters():
-        module_name, _, _ = name.rpartition(".")
-        if param.ndim == 3 and getattr(model.get_submodule(module_name), EXPERT_BATCHED_ATTR, False):
-            entry = re.sub(r"^(.*\.)?\d+\.", "", name)  # model.layers.0.mlp.experts.down_proj -> mlp.experts.down_proj
-            if entry not in parameters:
-                parameters.append(entry)
-    return modules, parameters
-
-
-def is_expert_weight(name: str) -> bool:
-    """A --lora-targets name of a fused expert weight: one with an ``experts.`` part (``mlp.experts.down_proj``;
-    not ``mlp.shared_experts.down_proj``, a linear layer)."""
-    return re.search(r"(^|\.)experts\.[^.]+$", name) is not None
-
-
 def lora_of(args: argparse.Namespace, model_config: ModelConfig) -> Lora | None:
     """The LoRA request of the flags (None: no LoRA), resolved against the model on the driver: a bad value, a
     target the model does not have or an adapter directory that is none is a ValueError naming it, before any
@@ -476,7 +446,7 @@ def lora_of(args: argparse.Namespace, model_config: ModelConfig) -> Lora | None:
         request = str(args.adapter.expanduser().absolute())  # the ranks may run in another directory
     else:
         if args.lora_targets is None:
-            modules, parameters = default_lora_targets(model)
+            modules, parameters = default_targets(model)
         else:
             modules = [name for name in args.lora_targets if not is_expert_weight(name)]
             parameters = [name for name in args.lora_targets if is_expert_weight(name)]
@@ -541,6 +511,8 @@ def run(args: argparse.Namespace) -> tuple[raymoe.TrainSummary, Lora | None]:
     if args.chat_template is not None and tokenizer is not None:  # trained with it, saved with the checkpoint
         tokenizer = tokenizer.with_chat_template(load_chat_template(args.chat_template, tokenizer.special_tokens))
     model_config = check_model_fits(model_source, config)
+    if args.ep_mode == "masking":  # the routers and experts of this model, by their paths
+        layout = raymoe.DistributedConfig(**sizes, ep_plan=masked_ep_plan(build_model(model_config, device="meta")))
     check_seq_len(args.seq_len, model_config)
     lora = lora_of(args, model_config)
     data = load_data(args, tokenizer)

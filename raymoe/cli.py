@@ -29,18 +29,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from raymoe.checkpoint.export import export_state
 from raymoe.checkpoint.staging import CheckpointSaveError
 from raymoe.checkpoint.training_state import TrainingStateError
 from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE
 from raymoe.driver.adapter_export import export_adapter, export_merged
-from raymoe.driver.candidate_layouts import MASKED_EP_PLAN
+from raymoe.driver.candidate_layouts import masked_ep_plan
 from raymoe.driver.memory_plan import MemoryPlan
 from raymoe.driver.plan import plan_memory
 from raymoe.models.registry import build_model, parse_model_config
 from raymoe.rank.fake import FakeWorlds
 from raymoe.spec.config import DistributedConfig
-from raymoe.spec.lora import LoraConfig, default_targets
+from raymoe.spec.lora import LoraConfig, default_targets, is_expert_weight
 
 EXIT_ERROR = 2  # argparse's status for bad usage; a bad state or a failed write exits with it too
 
@@ -125,8 +127,9 @@ _LAYOUT_KEYS = {"tp": "tp_size", "fsdp": "fsdp_size", "ep": "ep_size", "dp_repli
                 "cp": "cp_size", "pp": "pp_size"}  # fmt: skip
 
 
-def parse_layout(text: str) -> DistributedConfig:
-    """``tp=4,fsdp=2,ep=4,ep_mode=masking`` -> its DistributedConfig (``ep_mode`` defaults to the model's)."""
+def parse_layout(text: str, model: nn.Module) -> DistributedConfig:
+    """``tp=4,fsdp=2,ep=4,ep_mode=masking`` -> its DistributedConfig for ``model`` (the meta model: masking's ep_plan
+    names its routers and experts; ``ep_mode`` defaults to the family's, token dispatch)."""
     sizes: dict[str, Any] = {}
     masked = False
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -141,8 +144,15 @@ def parse_layout(text: str) -> DistributedConfig:
                 "ep_mode=masking|dispatch"
             )
     if masked:
-        sizes["ep_plan"] = dict(MASKED_EP_PLAN)
+        sizes["ep_plan"] = masked_ep_plan(model)
     return DistributedConfig(**sizes)
+
+
+def _meta_model(name: str) -> nn.Module:
+    from raymoe.checkpoint.hub import resolve_config_file
+    from raymoe.models.common.config import read_config_file
+
+    return build_model(parse_model_config(read_config_file(resolve_config_file(name).parent)), device="meta")
 
 
 def _lora(args: argparse.Namespace) -> LoraConfig | None:
@@ -151,21 +161,20 @@ def _lora(args: argparse.Namespace) -> LoraConfig | None:
             raise ValueError("--lora-targets and --quantized-experts need --lora-r (LoRA adapters on a frozen base)")
         return None
     if args.lora_targets is not None:
-        modules = [name for name in args.lora_targets if "experts." not in name]
-        parameters = [name for name in args.lora_targets if "experts." in name]
+        modules = [name for name in args.lora_targets if not is_expert_weight(name)]
+        parameters = [name for name in args.lora_targets if is_expert_weight(name)]
     else:
-        from raymoe.checkpoint.hub import resolve_config_file
-        from raymoe.models.common.config import read_config_file
-
-        raw = read_config_file(resolve_config_file(args.model).parent)
-        modules, parameters = default_targets(build_model(parse_model_config(raw), device="meta"))
-    return LoraConfig(
-        r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules=modules or None, target_parameters=parameters
+        modules, parameters = default_targets(_meta_model(args.model))
+    return LoraConfig(  # as finetune.py makes it
+        r=args.lora_r,
+        lora_alpha=2 * args.lora_r,
+        target_modules="all-linear" if modules == ["all-linear"] else (modules or None),
+        target_parameters=parameters,
     )
 
 
 def _plan(args: argparse.Namespace) -> MemoryPlan:
-    layouts = [parse_layout(text) for text in args.layout] if args.layout else None
+    layouts = [parse_layout(text, _meta_model(args.model)) for text in args.layout] if args.layout else None
     return plan_memory(
         args.model,
         gpus=args.gpus,

@@ -35,6 +35,7 @@ from raymoe.driver.hub_save import save_pretrained
 from raymoe.driver.inference import GenerationOptions, Inference
 from raymoe.driver.loaded_view import LoadedView
 from raymoe.driver.logprobs import Logprobs
+from raymoe.driver.memory_plan import describe_memory
 from raymoe.driver.policy import prepare_policy
 from raymoe.driver.rl_methods import ReinforcementMethods
 from raymoe.driver.routes import check_routes
@@ -42,7 +43,8 @@ from raymoe.driver.states import CheckedState, TrainingStates
 from raymoe.driver.tenancy import RankLease
 from raymoe.driver.training import TrainingSession
 from raymoe.models.common.config import ModelConfig
-from raymoe.rank.contract import LoadReport
+from raymoe.rank.contract import LoadReport, RankMemory
+from raymoe.rank.footprint import held_memory
 from raymoe.rank.load import load_shards
 from raymoe.spec.balance import DEFAULT_BIAS_UPDATE_RATE, BalanceConfig, BalanceOptions
 from raymoe.spec.launch import LaunchSpec
@@ -305,6 +307,17 @@ class DistributedModel(LoadedView, ReinforcementMethods):
         checked = path if isinstance(path, CheckedState) else self._states.check(path)
         return self._states.load(checked)
 
+    def memory(self) -> list[RankMemory]:
+        """What every rank holds now, measured from its shards, in rank order (:class:`RankMemory`): parameters,
+        gradients (present only between a backward and its step), AdamW states (from the first step). What
+        ``raymoe.plan`` predicts for the layout, exactly."""
+        return self._lease.group().execute(held_memory)
+
+    def describe(self) -> str:
+        """The rank picture of this layout (SPEC TOPO-3), the precision policy, the adapters, and what each rank
+        holds (:meth:`memory`)."""
+        return f"{self.picture()}\n{describe_memory(self.memory())}"
+
     def run_on_ranks(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """``fn(ctx, *args, **kwargs)`` on every rank, results in rank order: for inspecting or extending
         what the ranks hold (``ctx.require_model().model`` is this rank's shard of the model; under pipelines
@@ -351,7 +364,7 @@ class DistributedModel(LoadedView, ReinforcementMethods):
         state = "running" if self.is_alive else "shut down"
         return (
             f"DistributedModel({self.model_config.model_type} from {self._spec.source!r}, "
-            f"{self.topology.config!r}, {state})\n{self.describe()}"
+            f"{self.topology.config!r}, {state})\n{self.picture()}"
         )
 
 

@@ -1,6 +1,6 @@
 """What a handle loaded, as properties (``DistributedModel`` inherits them): topology, source, plans, LoRA config,
-precision policy, and the rank picture ``describe`` prints. Read from the launch spec and the ranks' load
-reports; nothing here reaches a rank."""
+precision policy, and the rank picture ``describe`` prints (``picture``). Read from the launch spec and the ranks'
+load reports; nothing here reaches a rank."""
 
 from __future__ import annotations
 
@@ -62,8 +62,9 @@ class LoadedView:
         """The precision policy the ranks hold the model in (:mod:`raymoe.spec.precision`)."""
         return self.load_reports[0].precision
 
-    def describe(self) -> str:
-        """The rank picture of this layout (SPEC TOPO-3) and the precision policy."""
+    def picture(self) -> str:
+        """The rank picture of this layout (SPEC TOPO-3) and the precision policy (``describe`` adds what the ranks
+        hold, measured)."""
         num_experts = self.model_config.moe.num_experts if self.model_config.moe is not None else None
         text = f"{self.topology.describe(num_experts=num_experts)}\n{self.precision.describe()}"
         if self._spec.lora is None:

@@ -8,7 +8,7 @@ import dataclasses
 import os
 import re
 import shlex
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -224,3 +224,26 @@ def launch_command(plan: MemoryPlan, layout: LayoutPlan) -> str:
     if plan.options.get("quantized_experts"):
         args += ["--quantized-experts", str(plan.options["quantized_experts"])]
     return shlex.join(args)
+
+
+def describe_memory(ranks: Sequence[RankMemory]) -> str:
+    """What each rank holds, measured (``model.describe()``), in GB: ranks holding the same bytes share a line."""
+    gb = 1e9
+    lines = [
+        "memory per rank (measured; GB): parameters, of which train (a step's gradients take as much), gradients "
+        "held now (between a backward and its step), AdamW states (from the first step)"
+    ]
+    rows: list[tuple[list[int], tuple[int, int, int, int]]] = []
+    for rank in ranks:
+        key = (rank.parameters, rank.trainable, rank.gradients, rank.optimizer)
+        if rows and rows[-1][1] == key:
+            rows[-1][0].append(rank.rank)
+        else:
+            rows.append(([rank.rank], key))
+    for members, (params, trainable, grads, optimizer) in rows:
+        who = f"rank {members[0]}" if len(members) == 1 else f"ranks {members[0]}-{members[-1]}"
+        lines.append(
+            f"  {who}: parameters {params / gb:.3f} (train {trainable / gb:.3f}), gradients {grads / gb:.3f}, "
+            f"AdamW {optimizer / gb:.3f}"
+        )
+    return "\n".join(lines)

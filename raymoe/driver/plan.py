@@ -31,11 +31,11 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from raymoe.checkpoint.hub import resolve_config_file
-from raymoe.driver.candidate_layouts import candidate_layouts, expert_mode_of, layout_name
+from raymoe.driver.candidate_layouts import Candidate, candidate_layouts, layout_name
 from raymoe.driver.communication import communication_per_step
 from raymoe.driver.memory_plan import LayoutPlan, MemoryPlan, parse_memory, rank_key
 from raymoe.models.common.config import read_config_file
-from raymoe.models.registry import parse_model_config
+from raymoe.models.registry import build_model, parse_model_config
 from raymoe.rank.contract import PlannedRank
 from raymoe.rank.footprint import planned_memory
 from raymoe.spec.activations import StepActivations, estimate_activations
@@ -96,11 +96,16 @@ def plan_memory(
     raw = read_config_file(directory)
     config = parse_model_config(raw)
     checkpoint_dtype = _checkpoint_dtype(raw)
-    candidates = list(layouts) if layouts is not None else list(candidate_layouts(config, gpus, nodes))
+    num_experts = config.moe.num_experts if config.moe is not None else None
+    candidates = (
+        [Candidate(layout) for layout in layouts]
+        if layouts is not None
+        else list(candidate_layouts(build_model(config, device="meta"), num_experts, gpus, nodes))
+    )
     planned: list[LayoutPlan] = []
     refused: list[tuple[str, str]] = []
     precision_name = ""
-    for layout in candidates:
+    for layout, mode in candidates:
         try:
             spec = prepare_launch(
                 directory,
@@ -113,7 +118,7 @@ def plan_memory(
                 weights=False,
             )
         except ValueError as error:
-            refused.append((layout_name(layout, expert_mode_of(layout)), " ".join(str(error).split())))
+            refused.append((layout_name(layout, mode), " ".join(str(error).split())))
             continue
         policy = resolve_policy(spec.precision, spec.torch_dtype, checkpoint_dtype)
         precision_name = str(policy.precision)

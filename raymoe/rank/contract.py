@@ -131,6 +131,7 @@ class RankMemory:
     parameters: int
     gradients: int
     optimizer: int
+    trainable: int = 0  # bytes of the parameters that train: what a step's gradients take
     parameter_elements: int = 0  # local elements of every parameter (what FSDP2 gathers, what TP / EP split)
     trainable_elements: int = 0  # local elements of the parameters that train (all, or the LoRA factors)
 

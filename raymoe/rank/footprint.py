@@ -54,6 +54,7 @@ def planned_memory(ctx: RankContext, spec: LaunchSpec, checkpoint_dtype: torch.d
         parameters=_bytes(local_tensor(p) for p in params),
         gradients=trainable_bytes,
         optimizer=ADAMW_MOMENTS * trainable_bytes + ADAMW_STEP_BYTES * len(trainable),
+        trainable=trainable_bytes,
         parameter_elements=sum(local_tensor(p).numel() for p in params),
         trainable_elements=sum(t.numel() for t in trainable),
     )
@@ -110,6 +111,7 @@ def held_memory(ctx: RankContext) -> RankMemory:
         parameters=_bytes(local_tensor(p) for p in params),
         gradients=_bytes(grads),
         optimizer=_bytes(states),
+        trainable=_bytes(local_tensor(p) for p in params if p.requires_grad),
         parameter_elements=sum(local_tensor(p).numel() for p in params),
         trainable_elements=sum(local_tensor(p).numel() for p in params if p.requires_grad),
     )

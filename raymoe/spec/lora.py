@@ -475,3 +475,9 @@ def default_targets(model: nn.Module) -> tuple[list[str], list[str]]:
             if entry not in parameters:
                 parameters.append(entry)
     return modules, parameters
+
+
+def is_expert_weight(name: str) -> bool:
+    """A target name of a fused expert weight: one with an ``experts.`` part (``mlp.experts.down_proj``; not
+    ``mlp.shared_experts.down_proj``, a linear layer)."""
+    return re.search(r"(^|\.)experts\.[^.]+$", name) is not None

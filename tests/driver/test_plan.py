@@ -13,9 +13,9 @@ from torch._C._profiler import _EventType
 
 from raymoe import plan
 from raymoe.cli import main, parse_layout
-from raymoe.driver.candidate_layouts import MASKED_EP_PLAN, candidate_layouts
+from raymoe.driver.candidate_layouts import candidate_layouts, masked_ep_plan
 from raymoe.driver.memory_plan import parse_memory
-from raymoe.models.registry import parse_model_config
+from raymoe.models.registry import build_model, parse_model_config
 from raymoe.rank.contract import MicroBatch
 from raymoe.rank.train import train_step
 from raymoe.spec.config import DistributedConfig
@@ -24,6 +24,7 @@ CONFIGS = Path(__file__).parents[2] / "examples" / "configs"
 QWEN3_30B = CONFIGS / "qwen3-30b-a3b"
 GPT_OSS_120B = CONFIGS / "gpt-oss-120b"
 MOE = "moe_e8_k2_mha"
+MASKED = {"model.layers.*.mlp.gate": "ep_router", "model.layers.*.mlp.experts": "moe_tp_experts"}
 # Wide enough that a step's memory is its activations, not fixed costs (the suite's tiny checkpoints have 40 hidden
 # channels: there a few allocations of the allocator's own make up half the step's growth)
 SHAPES = {"vocab_size": 512, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -103,10 +104,11 @@ def test_seed_rows_order_as_the_seed_measured():
     """The seed's Qwen3-30B-A3B table (8 x H100, bf16, seq 2048, masked EP with ep = tp): tp8 38.6 GB > tp4·fsdp2
     34.2 GB > tp2·fsdp4 32.3 GB. raymoe refuses tp8 (4 KV heads do not split 8 ways); the other two order as the
     seed's, with or without activation checkpointing, on the same global batch."""
-    rows = [parse_layout(text) for text in ("tp=8,ep=8,ep_mode=masking", "tp=4,fsdp=2,ep=4,ep_mode=masking",
-                                             "tp=2,fsdp=4,ep=2,ep_mode=masking")]  # fmt: skip
+    meta = build_model(parse_model_config(json.loads((QWEN3_30B / "config.json").read_text())), device="meta")
+    texts = ("tp=8,ep=8,ep_mode=masking", "tp=4,fsdp=2,ep=4,ep_mode=masking", "tp=2,fsdp=4,ep=2,ep_mode=masking")
+    rows = [parse_layout(text, meta) for text in texts]
     planned = plan(QWEN3_30B, gpus=8, gpu_memory="80GB", seq_len=2048, batch=8, precision="bf16-pure", layouts=rows)
-    assert [name for name, _ in planned.refused] == ["tp8·ep8 (masking)"]
+    assert [name for name, _ in planned.refused] == ["tp8·ep8"]
     assert "k_proj" in planned.refused[0][1]
     tp4, tp2 = planned.find(tp_size=4), planned.find(tp_size=2)
     assert tp4.peak > tp2.peak and tp4.peak_checkpointed > tp2.peak_checkpointed
@@ -128,15 +130,23 @@ def test_gpt_oss_120b_lora_on_packed_experts_fits_one_h200():
 
 def test_candidates_cover_the_mechanisms():
     config = parse_model_config(json.loads((QWEN3_30B / "config.json").read_text()))
-    names = {(c.tp_size, c.fsdp_size, c.ep_size, bool(c.ep_plan)) for c in candidate_layouts(config, 8, 1)}
-    assert (
-        (4, 2, 4, True) in names
-        and (4, 2, 4, False) in names
-        and (1, 8, 8, False) in names
-        and (8, 1, 1, False) in names
-    )
-    across = list(candidate_layouts(config, 16, 2))
+    meta = build_model(config, device="meta")
+    made = list(candidate_layouts(meta, 128, 8, 1))
+    names = {(c.tp_size, c.fsdp_size, c.ep_size, mode) for c, mode in made}
+    assert {(4, 2, 4, "masking"), (4, 2, 4, "dispatch"), (1, 8, 8, "dispatch"), (8, 1, 1, "none")} <= names
+    across = [c for c, _ in candidate_layouts(meta, 128, 16, 2)]
     assert all((c.tp_size or 1) <= 8 for c in across) and any(c.dp_replicate_size == 2 for c in across)
+
+
+def test_masked_plans_name_each_familys_router(tiny_checkpoint):
+    """Masking's ep_plan comes from the model: gpt-oss's router is ``mlp.router``, Qwen3-MoE's ``mlp.gate``."""
+    gpt_oss = build_model(parse_model_config(json.loads((GPT_OSS_120B / "config.json").read_text())), device="meta")
+    qwen3 = build_model(parse_model_config(json.loads((QWEN3_30B / "config.json").read_text())), device="meta")
+    assert masked_ep_plan(gpt_oss) == {"model.layers.*.mlp.router": "ep_router", "model.layers.*.mlp.experts":
+                                       "moe_tp_experts"}  # fmt: skip
+    assert masked_ep_plan(qwen3) == MASKED
+    planned = plan(tiny_checkpoint("gptoss_e4_k3_gqa2_window5"), gpus=2, gpu_memory="80GB", seq_len=16)
+    assert planned.refused == () and any(layout.expert_mode == "masking" for layout in planned.layouts)
 
 
 def test_ranked_fitting_first_then_by_communication(tiny_checkpoint):
@@ -193,5 +203,6 @@ def test_memory_sizes():
 
 
 def test_masked_layout_text():
-    layout = parse_layout("tp=2,fsdp=2,ep=2,ep_mode=masking")
-    assert (layout.tp_size, layout.fsdp_size, layout.ep_size, layout.ep_plan) == (2, 2, 2, MASKED_EP_PLAN)
+    meta = build_model(parse_model_config(json.loads((QWEN3_30B / "config.json").read_text())), device="meta")
+    layout = parse_layout("tp=2,fsdp=2,ep=2,ep_mode=masking", meta)
+    assert (layout.tp_size, layout.fsdp_size, layout.ep_size, layout.ep_plan) == (2, 2, 2, MASKED)

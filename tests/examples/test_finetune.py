@@ -507,3 +507,30 @@ def test_report_to_flags_reach_the_trainer_config_and_a_bad_one_is_one_error(fin
         "finetune.py: error: TrainerConfig: report_to=['comet'] names unknown tracker(s) comet; allowed: "
         "tensorboard, mlflow, wandb, trackio, all, none"
     ]
+
+
+def test_ep_mode_masking_loads_with_the_models_own_masked_plan(finetune, tmp_path, monkeypatch, capsys):
+    """--ep-mode masking: the ep_plan names this model's routers and experts (what ``raymoe plan`` prints for a masked
+    layout); with --ep-size unequal to --tp-size it is CFG-4's one error, before any cluster."""
+    import raymoe
+
+    seen = {}
+
+    class Loaded(Exception):
+        pass
+
+    def load(_source, distributed_config, **_kwargs):
+        seen["layout"] = distributed_config
+        raise Loaded
+
+    monkeypatch.setattr(raymoe, "from_pretrained", load)
+    args = ["--output-dir", str(tmp_path / "run"), "--no-progress", "--tp-size", "2", "--ep-size", "2"]
+    with pytest.raises(Loaded):
+        finetune.run(finetune.parse_args([*args, "--ep-mode", "masking"]))
+    assert seen["layout"].ep_plan == {
+        "model.layers.*.mlp.gate": "ep_router",
+        "model.layers.*.mlp.experts": "moe_tp_experts",
+    }
+    bad = ["--output-dir", str(tmp_path / "bad"), "--tp-size", "2", "--ep-size", "4", "--ep-mode", "masking"]
+    assert finetune.main([*bad, "--no-progress"]) == 2
+    assert "CFG-4" in capsys.readouterr().err

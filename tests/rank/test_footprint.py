@@ -117,3 +117,27 @@ def test_planning_refuses_a_process_with_a_world(load_local, tiny_checkpoint):
     load_local(tiny_checkpoint(MOE))
     with pytest.raises(RuntimeError, match=r"without a torch\.distributed world"), fake_world(0, 2):
         pass
+
+
+def test_describe_shows_what_each_rank_holds_as_planned(load_on_world, tiny_checkpoint):
+    """``model.memory()`` / ``model.describe()``: the measured breakdown, the plan's numbers once a step ran (no
+    gradients are held between steps; AdamW's states exist from the first step)."""
+    layout = {"tp_size": 2, "fsdp_size": 2, "ep_size": 2}
+    planned = plan(
+        tiny_checkpoint(MOE), gpus=4, gpu_memory="80GB", layouts=[DistributedConfig(**layout)], all_ranks=True
+    ).layouts[0]
+    model = load_on_world(tiny_checkpoint(MOE), layout)
+    try:
+        before = model.memory()
+        model.configure_training(lr=1e-3)
+        model.train_step(torch.randint(0, 64, (ROWS, SEQ)))
+        after, text = model.memory(), model.describe()
+    finally:
+        model.shutdown()
+    assert [(m.parameters, m.trainable, m.gradients, m.optimizer) for m in before] == [
+        (p.parameters, p.trainable, 0, 0) for p in planned.ranks
+    ]
+    assert [(m.parameters, m.gradients, m.optimizer) for m in after] == [
+        (p.parameters, 0, p.optimizer) for p in planned.ranks
+    ]
+    assert "memory per rank (measured; GB)" in text and "ranks 0-3: parameters" in text
