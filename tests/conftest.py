@@ -16,8 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from torch._C._profiler import _EventType
 
 # Tests never reach the network: hub code paths read local files only.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -770,3 +772,52 @@ class PlainRL:
 def plain_rl() -> type[PlainRL]:
     """:class:`PlainRL`: the RL tests' one-process references."""
     return PlainRL
+
+
+# --- what rank-side tests share: a step's memory, an injected failure -------------------------------------------
+
+
+def _peak_of(fn: Callable[[], object]) -> int:
+    """The most CPU tensor bytes ``fn()`` ever held beyond what was live at its start.
+
+    Torch's profiler records every allocation and free made while it runs (``profile_memory``); their running sum,
+    in time order, is what the call holds at each moment on top of its start. A free of a tensor that was live
+    before the call is not recorded, so the figure can only overstate the call's peak (the test's bound holds
+    all the more). The raw allocation records are read rather than the profiler's memory timeline, whose
+    data-flow check asserts now and then on a storage address reused within one op.
+    """
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as p:
+        fn()
+    pending, records = list(p.profiler.kineto_results.experimental_event_tree()), []
+    while pending:
+        event = pending.pop()
+        pending.extend(event.children)
+        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+            records.append((event.start_time_ns, event.extra_fields.alloc_size))
+    held = np.cumsum([size for _, size in sorted(records)])
+    return max(int(held.max()), 0) if len(held) else 0
+
+
+@pytest.fixture(scope="session")
+def peak_of() -> Callable[[Callable[[], object]], int]:
+    """``peak_of(fn)``: the most CPU tensor bytes ``fn()`` held beyond what was live at its start (profiler)."""
+    return _peak_of
+
+
+def _fail_at_forward(ctx: Any, at: int) -> None:
+    """The rank's ``at``-th forward from now raises (its own error: the failure is this rank's)."""
+    seen = []
+
+    def hook(*_):
+        seen.append(1)
+        if len(seen) == at:
+            raise RuntimeError("injected failure")
+
+    ctx.require_model().model.register_forward_pre_hook(hook)
+
+
+@pytest.fixture(scope="session")
+def fail_at_forward() -> Callable[[Any, int], None]:
+    """``model.run_on_ranks(fail_at_forward, at)`` on a local world: that rank's ``at``-th forward from now raises."""
+    return _fail_at_forward

@@ -24,8 +24,10 @@ allocator fragmentation (leave a few GB), the Ray worker's own memory, and gener
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -45,6 +47,7 @@ from raymoe.spec.lora import LoraConfig
 from raymoe.spec.precision import resolve_policy
 
 DEVICES = ("cuda", "cpu")
+PLANS_LOGGER = "raymoe.spec.plans"
 T = TypeVar("T")
 
 
@@ -107,16 +110,17 @@ def plan_memory(
     precision_name = ""
     for layout, mode in candidates:
         try:
-            spec = prepare_launch(
-                directory,
-                layout,
-                world_size=gpus,
-                dtype=dtype,
-                precision=precision,
-                lora=lora,
-                quantized_experts=quantized_experts,
-                weights=False,
-            )
+            with _quiet(PLANS_LOGGER):  # each layout's "covered by no plan rule" notes: a load's, not a plan's
+                spec = prepare_launch(
+                    directory,
+                    layout,
+                    world_size=gpus,
+                    dtype=dtype,
+                    precision=precision,
+                    lora=lora,
+                    quantized_experts=quantized_experts,
+                    weights=False,
+                )
         except ValueError as error:
             refused.append((layout_name(layout, mode), " ".join(str(error).split())))
             continue
@@ -139,6 +143,18 @@ def plan_memory(
         refused=tuple(refused),
         options={"lora": lora, "quantized_experts": quantized_experts, "dtype": dtype, "precision": precision},
     )
+
+
+@contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    """Logger ``name`` at ERROR while the block runs, as it was after."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _check_counts(**counts: int) -> None:

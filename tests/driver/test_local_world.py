@@ -102,24 +102,12 @@ def test_a_resumed_run_builds_its_optimizer_once_and_continues_the_straight_one(
     assert losses(tmp_path / "resumed" / "metrics.jsonl") == pytest.approx(losses(straight.metrics_file), rel=1e-6)
 
 
-def fail_at_forward(ctx, at: int) -> None:
-    """The rank's ``at``-th forward from now raises (its own error: the failure is this rank's)."""
-    seen = []
-
-    def hook(*_):
-        seen.append(1)
-        if len(seen) == at:
-            raise RuntimeError("injected failure")
-
-    ctx.require_model().model.register_forward_pre_hook(hook)
-
-
 def owned_local_model(checkpoint) -> DistributedModel:
     """A model that owns its local world (restart() starts a new one), as from_pretrained owns its Ray ranks."""
     return DistributedModel.launch(prepare_launch(checkpoint, DistributedConfig()), LocalRankGroup(), owns_group=True)
 
 
-def test_the_failure_policy_restarts_from_the_newest_state(tiny, tmp_path):
+def test_the_failure_policy_restarts_from_the_newest_state(tiny, tmp_path, fail_at_forward):
     """A rank failure in step 5 (states after 2 and 4): new ranks, state 4 reloaded, steps 5-8 again; the run
     equals an uninterrupted one and records the restart once, naming the rank where it began."""
     with owned_local_model(tiny) as model:
@@ -137,7 +125,9 @@ def test_the_failure_policy_restarts_from_the_newest_state(tiny, tmp_path):
     assert restart["cause"] == "LocalRankError: rank 0 failed in train_step: RuntimeError: injected failure"
 
 
-def test_without_restarts_the_failure_is_raised_as_it_is_and_a_live_model_is_not_restarted(tiny, tmp_path):
+def test_without_restarts_the_failure_is_raised_as_it_is_and_a_live_model_is_not_restarted(
+    tiny, tmp_path, fail_at_forward
+):
     with owned_local_model(tiny) as model:
         trainer = Trainer(model, rows(), config(tmp_path / "none"))
         model.run_on_ranks(fail_at_forward, 3)
@@ -152,7 +142,7 @@ def test_without_restarts_the_failure_is_raised_as_it_is_and_a_live_model_is_not
         assert model.is_alive and trainer.restarts == 0
 
 
-def test_one_failure_too_many_names_the_newest_state(tiny, tmp_path):
+def test_one_failure_too_many_names_the_newest_state(tiny, tmp_path, fail_at_forward):
     with owned_local_model(tiny) as model:
         trainer = Trainer(model, rows(), config(tmp_path, max_failures=1))
         model.run_on_ranks(fail_at_forward, 5)

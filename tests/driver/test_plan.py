@@ -6,10 +6,8 @@ loaded ranks hold: tests/rank/test_footprint.py.)"""
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from torch._C._profiler import _EventType
 
 from raymoe import plan
 from raymoe.cli import main, parse_layout
@@ -60,25 +58,17 @@ def wide_checkpoint(tmp_path_factory):
     return get
 
 
-def step_growth(ctx, rows: int, seq: int, vocab: int) -> int:
-    """Rank function: the most CPU tensor bytes one training step holds at once beyond what was live before it
-    (the running sum of the profiler's allocation records, in time order)."""
+def step_growth(ctx, rows: int, seq: int, vocab: int, peak_of) -> int:
+    """Rank function (a local world: ``peak_of`` is the conftest's, not pickled): the most CPU tensor bytes one
+    training step holds at once beyond what was live before it."""
     ids = torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(seq))
     batch = [MicroBatch(ids, ids.clone(), torch.ones_like(ids, dtype=torch.bool))]
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
-        train_step(ctx, batch, float(ids.numel()))
-    pending, records = list(profile.profiler.kineto_results.experimental_event_tree()), []
-    while pending:
-        event = pending.pop()
-        pending.extend(event.children)
-        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
-            records.append((event.start_time_ns, event.extra_fields.alloc_size))
-    return int(np.cumsum([size for _, size in sorted(records)]).max())
+    return peak_of(lambda: train_step(ctx, batch, float(ids.numel())))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
-def test_step_growth_estimate_within_a_quarter_of_measured(load_local, wide_checkpoint, family, checkpointing):
+def test_step_growth_estimate_within_a_quarter_of_measured(load_local, wide_checkpoint, peak_of, family, checkpointing):
     """At three sequence lengths, the plan's step growth (gradients exact, activations estimated) is within 25 %
     of what a real step on one rank allocates beyond its weights and AdamW states (CPU, the profiler's count)."""
     directory, rows, lengths = wide_checkpoint(family), 2, (512, 768, 1024)
@@ -93,8 +83,8 @@ def test_step_growth_estimate_within_a_quarter_of_measured(load_local, wide_chec
     for seq in lengths:
         # the second step at a length: a first one after another length allocates more or less, by what the last
         # step left (under checkpointing); every later one the same as the second
-        model.run_on_ranks(step_growth, rows, seq, vocab)
-        measured = model.run_on_ranks(step_growth, rows, seq, vocab)[0]
+        model.run_on_ranks(step_growth, rows, seq, vocab, peak_of)
+        measured = model.run_on_ranks(step_growth, rows, seq, vocab, peak_of)[0]
         layout_plan = planned[seq].layouts[0]
         estimate = layout_plan.growth if checkpointing == "none" else layout_plan.growth_checkpointed
         assert 0.75 <= estimate / measured <= 1.25, (seq, estimate, measured)

@@ -210,19 +210,7 @@ def owned_local_model(checkpoint) -> DistributedModel:
     return DistributedModel.launch(prepare_launch(checkpoint, DistributedConfig()), LocalRankGroup(), owns_group=True)
 
 
-def fail_at_forward(ctx, at: int) -> None:
-    """The rank's ``at``-th forward from now raises."""
-    seen = []
-
-    def hook(*_):
-        seen.append(1)
-        if len(seen) == at:
-            raise RuntimeError("injected failure")
-
-    ctx.require_model().model.register_forward_pre_hook(hook)
-
-
-def test_a_resumed_and_a_restarted_run_have_each_step_once(tiny, tmp_path, offline):
+def test_a_resumed_and_a_restarted_run_have_each_step_once(tiny, tmp_path, offline, fail_at_forward):
     """Steps 1-3 logged with a state after 2; the resumed run makes step 3 again and step 4; then a failure in step 6
     restarts from the state of step 4 and makes steps 5 and 6 again. Each tool holds each step once, in one run."""
     out = tmp_path / "run"

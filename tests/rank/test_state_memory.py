@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch._C._profiler import _EventType
 from torch.distributed.checkpoint import FileSystemReader
 
 import raymoe
@@ -63,32 +62,10 @@ def storages(ctx) -> dict[int, bytes]:
 # --- on the driver --------------------------------------------------------------------------------
 
 
-def peak_of(fn) -> int:
-    """The most CPU tensor bytes ``fn()`` ever held beyond what was live at its start.
-
-    Torch's profiler records every allocation and free made while it runs (``profile_memory``); their running sum,
-    in time order, is what the call holds at each moment on top of its start. A free of a tensor that was live
-    before the call is not recorded, so the figure can only overstate the call's peak (the test's bound holds
-    all the more). The raw allocation records are read rather than the profiler's memory timeline, whose
-    data-flow check asserts now and then on a storage address reused within one op.
-    """
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities, profile_memory=True) as p:
-        fn()
-    pending, records = list(p.profiler.kineto_results.experimental_event_tree()), []
-    while pending:
-        event = pending.pop()
-        pending.extend(event.children)
-        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
-            records.append((event.start_time_ns, event.extra_fields.alloc_size))
-    held = np.cumsum([size for _, size in sorted(records)])
-    return max(int(held.max()), 0) if len(held) else 0
-
-
 @pytest.mark.parametrize("resumed", ["after_a_step", "into_a_fresh_handle"])
-def test_load_state_peaks_within_the_state_it_holds(load_local, tiny, tmp_path, resumed):
+def test_load_state_peaks_within_the_state_it_holds(load_local, tiny, tmp_path, resumed, peak_of):
     """Peak of ``load_state`` = the state bytes held before it + the most it held beyond what was live at its
-    start (:func:`peak_of`); it must stay within 1.1 x the state bytes held after it (parameters, AdamW moments,
+    start (the ``peak_of`` fixture); it must stay within 1.1 x the state bytes held after it (parameters, AdamW moments,
     step counters). ``into_a_fresh_handle`` (no optimizer yet) makes the moments during the load: once, in place."""
     model = load_local(tiny)
     model.configure_training(lr=1e-3)
