@@ -24,7 +24,7 @@ _UNITS = {"gb": 10**9, "gib": 2**30, "mb": 10**6, "mib": 2**20, "tb": 10**12, "t
 
 
 def parse_memory(value: str | int) -> int:
-    """``"80GB"`` (decimal, as GPUs are sold), ``"80GiB"``, ``"141 GB"`` or a number of bytes -> bytes."""
+    """``"80GB"`` (decimal, as GPUs are sold), ``"80GiB"``, ``"141 GB"``, ``"141"`` (GB) or an int of bytes -> bytes."""
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
     match = _MEMORY.match(value) if isinstance(value, str) else None

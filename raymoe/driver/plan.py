@@ -8,11 +8,12 @@
     prepare_launch(weights=False)       the layout's every rule checked as from_pretrained checks it (a refused
         |                               layout is listed with its reason)
         v
-    planned_memory(spec, rank)          exact: the meta model sharded in a fake world as each rank shards it
-        |                               (raymoe.rank.footprint): parameters, gradients, AdamW states per rank
+    worlds.run(planned_memory, ...)     exact: the rank function planned_memory (raymoe.rank.footprint) on each
+        |                               simulated rank (raymoe.rank.fake: torch's fake backend), the meta model
+        |                               sharded as that rank shards it: parameters, gradients, AdamW states
     estimate_activations                an estimate from the shapes (raymoe.spec.activations), without and with
         |                               full activation checkpointing
-    communication_per_step              bytes a rank sends per step, by collective (this module)
+    communication_per_step              bytes a rank sends per step, by collective (raymoe.driver.communication)
         v
     MemoryPlan: rows ranked (fits without checkpointing, then fits with it, then the rest; then by communication),
                 the best one's launch command
