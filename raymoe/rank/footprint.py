@@ -30,7 +30,7 @@ from raymoe.rank.context import RankContext
 from raymoe.rank.contract import PlannedRank, RankMemory
 from raymoe.rank.load import sharded_on_meta
 from raymoe.spec.launch import LaunchSpec
-from raymoe.spec.precision import resolve_policy
+from raymoe.spec.precision import PrecisionPolicy, resolve_policy
 from raymoe.spec.topology import FSDP_CP, Axis
 
 ADAMW_MOMENTS = 2  # exp_avg, exp_avg_sq: each shaped and typed like the parameter's shard
@@ -60,9 +60,15 @@ def planned_memory(ctx: RankContext, spec: LaunchSpec, checkpoint_dtype: torch.d
     )
     if not wrapped:
         return PlannedRank(memory)
+    return PlannedRank(memory, *_largest_layer_gather(list(named.values()), policy))
+
+
+def _largest_layer_gather(named: list[tuple[str, nn.Parameter]], policy: PrecisionPolicy) -> tuple[int, int]:
+    """What FSDP2 gathers of the largest decoder layer: its unsharded weights in the dtype they compute in (packed
+    MXFP4 bytes stay bytes), and its unsharded gradients in the reduce dtype."""
     gathered: dict[str, int] = {}
     gradients: dict[str, int] = {}
-    for name, param in named.values():
+    for name, param in named:
         layer = _LAYER.match(name)
         if layer is None:
             continue
@@ -72,9 +78,7 @@ def planned_memory(ctx: RankContext, spec: LaunchSpec, checkpoint_dtype: torch.d
         if param.requires_grad:
             gradients[layer.group(0)] = gradients.get(layer.group(0), 0) + numel * policy.reduce.itemsize
     largest = max(gathered, key=lambda layer: gathered[layer], default=None)
-    if largest is None:
-        return PlannedRank(memory)
-    return PlannedRank(memory, gathered[largest], gradients.get(largest, 0))
+    return (gathered[largest], gradients.get(largest, 0)) if largest is not None else (0, 0)
 
 
 _LAYER = re.compile(r"^model\.layers\.\d+\.")
