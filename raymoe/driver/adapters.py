@@ -14,6 +14,7 @@ from torch import Tensor
 
 from raymoe.checkpoint.adapter import write_adapter
 from raymoe.driver.fanout import FanOut
+from raymoe.driver.local_paths import local_path
 from raymoe.rank.adapters import gather_adapters
 from raymoe.rank.contract import AdapterTensors
 from raymoe.spec.launch import LaunchSpec
@@ -45,7 +46,7 @@ def adapter_tensors(fanout: FanOut, spec: LaunchSpec) -> dict[str, Tensor]:
 def save_adapter(fanout: FanOut, spec: LaunchSpec, path: str | os.PathLike[str]) -> list[Path]:
     """Write the adapters as a PEFT directory at ``path`` (on the driver); the files written."""
     lora = require_lora(spec)
-    directory = Path(path).expanduser().absolute()
+    directory = local_path(path, "save_adapter path")
     tensors = adapter_tensors(fanout, spec)
     return write_adapter(directory, lora.config.to_peft_dict(spec.source), lora.targets, tensors)
 

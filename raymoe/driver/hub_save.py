@@ -11,13 +11,14 @@ from pathlib import Path
 
 from raymoe.checkpoint.staging import CheckpointSaveError
 from raymoe.driver.fanout import FanOut
+from raymoe.driver.local_paths import local_path
 from raymoe.rank.contract import SaveResult
 from raymoe.rank.save import save_gathered
 
 
 def save_pretrained(fanout: FanOut, path: str | os.PathLike[str], max_shard_size: int) -> list[Path]:
     """Gather the weights into a hub-layout checkpoint at ``path`` (absolute on the driver); the files written."""
-    directory = Path(path).expanduser().absolute()
+    directory = local_path(path, "save_pretrained path")
     result: SaveResult = fanout.every_rank(save_gathered, str(directory), max_shard_size)[0]
     if result.error is not None:
         raise CheckpointSaveError(

@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 from raymoe.checkpoint.training_state import TrainingStateError, completed_states, latest_state, read_manifest
+from raymoe.driver.local_paths import local_path
 from raymoe.driver.metrics import METRICS_FILE, PLOT_FILE
 
 CHECKPOINT_DIR = "checkpoint"
@@ -31,7 +32,7 @@ class RunDirectory:
     """The files of one run under ``output_dir`` (made absolute on the driver)."""
 
     def __init__(self, output_dir: str | os.PathLike[str]) -> None:
-        self.root = Path(output_dir).expanduser().absolute()
+        self.root = local_path(output_dir, "output_dir")
         self.checkpoint = self.root / CHECKPOINT_DIR
         self.adapter = self.root / ADAPTER_DIR
         self.states = self.root / STATES_DIR
@@ -59,7 +60,7 @@ class RunDirectory:
         if resume_from == LATEST:
             return self.latest_state()
         if resume_from is not None:
-            path = Path(resume_from).expanduser().absolute()
+            path = local_path(resume_from, "resume_from")
             try:
                 read_manifest(path)
             except TrainingStateError as error:

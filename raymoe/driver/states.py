@@ -38,6 +38,7 @@ from raymoe.checkpoint.training_state import (
     read_manifest,
 )
 from raymoe.driver.fanout import FanOut
+from raymoe.driver.local_paths import local_path
 from raymoe.driver.training import TrainingSession
 from raymoe.rank.contract import StateAnswer, StateRequest
 from raymoe.rank.state import load_training_state, save_training_state, wait_for_state_save
@@ -90,7 +91,7 @@ class TrainingStates:
         optimizer = self.session.require_optimizer("save_state")
         checked_extra = _checked_extra(extra)
         self.wait()
-        target = swappable_target(Path(path).expanduser().absolute())
+        target = swappable_target(local_path(path, "save_state path"))
         recover_interrupted_save(target)
         topology = self.fanout.topology
         manifest = StateManifest(
@@ -123,7 +124,7 @@ class TrainingStates:
 
     def check(self, path: str | os.PathLike[str]) -> CheckedState:
         """Everything checkable on the driver (the manifest read once), before any rank reads."""
-        directory = Path(path).expanduser().absolute()
+        directory = local_path(path, "state path")
         check_lora_state(directory, read_manifest(directory), self.lora_config(), self.base_fingerprint())
         manifest = check_training_state(directory, self.spec.build_meta_model(), self.spec.config.model_type)
         try:

@@ -46,6 +46,7 @@ from raymoe.checkpoint.training_state import state_dir_name
 from raymoe.driver.batch import check_input_ids
 from raymoe.driver.batch_order import batch_indices
 from raymoe.driver.interrupts import StopRequests, TrainingInterrupted
+from raymoe.driver.local_paths import local_path
 from raymoe.driver.metrics import MetricsLog, plot_metrics
 from raymoe.driver.packing import PackedData
 from raymoe.driver.recovery import Decision, FailurePolicy, RestartRecord, cause_of
@@ -357,7 +358,7 @@ class Trainer:
         return self._write(self.model.save_adapter, path if path is not None else self.run.adapter)
 
     def _write(self, save: Callable[[Path], object], path: str | Path) -> Path:
-        target = Path(path).expanduser().absolute()
+        target = local_path(path, "save path")
         save(target)
         if self.tokenizer is not None:
             self.tokenizer.save(target)

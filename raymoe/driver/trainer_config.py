@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from raymoe.driver.local_paths import local_path
 from raymoe.driver.run_directory import LATEST, RunDirectory
 from raymoe.driver.schedule import WarmupCosine
 from raymoe.driver.trackers.names import resolve_report_to
@@ -124,11 +125,27 @@ class TrainerConfig:
                 f"TrainerConfig: resume_from={str(resume)!r} and overwrite=True contradict each other (resuming "
                 "continues the earlier run, overwrite discards it): choose one"
             )
+        self._check_paths()
         # The schedule checks lr, 0 <= warmup_steps <= steps and min_lr_ratio, naming each field;
         # the balance options check theirs (all before any rank is asked).
         self.schedule()
         self.balance_options()
         self.optimizer()
+
+    def _check_paths(self) -> None:
+        """``output_dir``, ``logging_dir`` and a ``resume_from`` path are local paths (``file://`` URLs are taken as
+        their path; another URL is a ``ValueError`` here, not a local folder named ``s3:``)."""
+        if not isinstance(self.output_dir, str | os.PathLike) or not str(self.output_dir):
+            raise ValueError(f"TrainerConfig: output_dir={self.output_dir!r} must be a directory path")
+        paths = {"output_dir": self.output_dir, "logging_dir": self.logging_dir}
+        if self.resume_from is not None and self.resume_from != LATEST:
+            paths["resume_from"] = self.resume_from
+        for name, value in paths.items():
+            if value is not None:
+                try:
+                    local_path(value, name)
+                except ValueError as error:
+                    raise ValueError(f"TrainerConfig: {error}") from None
 
     def balance_options(self) -> BalanceOptions:
         return BalanceOptions(self.balance, self.router_aux_loss_coef, self.bias_update_rate, self.capacity_factor)

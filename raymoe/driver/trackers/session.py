@@ -26,6 +26,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from raymoe.driver.local_paths import local_path
 from raymoe.driver.run_directory import RunDirectory
 from raymoe.driver.trackers.logged_values import PER_LAYER, run_params, run_texts, step_scalars
 from raymoe.driver.trackers.mlflow_run import MlflowRun
@@ -56,7 +57,7 @@ class Trackers:
         self.names = config.trackers
         self.run_name = config.run_name or run.root.name
         self.output_dir = run.root
-        self.logging_dir = Path(config.logging_dir).expanduser().absolute() if config.logging_dir else run.root / "runs"
+        self.logging_dir = local_path(config.logging_dir, "logging_dir") if config.logging_dir else run.root / "runs"
         self.path = run.root / TRACKERS_FILE
         # A run resumed from a state continues the runs it logged to; any other starts new ones.
         self.runs: dict[str, TrackedRun] = read_run_ids(self.path) if resumed_at is not None and self.names else {}
