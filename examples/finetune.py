@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -43,6 +44,7 @@ from actors import PlacementError, RankError
 from raymoe.checkpoint import resolve_config_file
 from raymoe.driver.batch import check_input_ids
 from raymoe.driver.candidate_layouts import masked_ep_plan
+from raymoe.driver.local_paths import local_path
 from raymoe.driver.tokenizer import load_chat_template
 from raymoe.models import ModelConfig, build_model, load_model_config
 from raymoe.models.common.lora import adapter_parameters
@@ -116,7 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data.add_argument("--num-proc", type=int, help="tokenizing processes (default: one per CPU for large data)")
     data.add_argument(
         "--cache-dir",
-        type=Path,
+        type=local_dir("--cache-dir"),
         help="where tokenized data is cached by content hash (default: $RAYMOE_CACHE_DIR or ~/.cache/raymoe/tokenized)",
     )
     data.add_argument("--no-cache", action="store_true", help="tokenize afresh and cache nothing")
@@ -228,7 +230,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     train.add_argument(
         "--output-dir",
-        type=Path,
+        type=local_dir("--output-dir"),
         default=Path("runs/finetune"),
         help="checkpoint (or LoRA adapter), metrics, plot (default: %(default)s)",
     )
@@ -243,7 +245,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "MLFLOW_TRACKING_URI, WANDB_PROJECT, WANDB_MODE=offline) (default: none)",
     )
     train.add_argument("--run-name", help="the run's name in the trackers (default: --output-dir's name)")
-    train.add_argument("--logging-dir", type=Path, help="TensorBoard's event files (default: OUTPUT_DIR/runs)")
+    train.add_argument(
+        "--logging-dir", type=local_dir("--logging-dir"), help="TensorBoard's event files (default: OUTPUT_DIR/runs)"
+    )
 
     lora = parser.add_argument_group("LoRA adapters (the base frozen, only the adapters train; PEFT's format)")
     lora.add_argument(
@@ -269,7 +273,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     lora.add_argument(
         "--adapter",
-        type=Path,
+        type=local_dir("--adapter"),
         metavar="DIR",
         help="keep training this PEFT adapter directory (its r, lora_alpha and targets; not with --lora-r, "
         "--lora-alpha or --lora-targets)",
@@ -319,7 +323,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(so an auto-restarting job can always pass it). The layout may differ from the saved run's",
     )
     start.add_argument(
-        "--resume-from", type=Path, metavar="STATE_DIR", help="continue from this training state directory instead"
+        "--resume-from",
+        type=local_dir("--resume-from"),
+        metavar="STATE_DIR",
+        help="continue from this training state directory instead",
     )
     start.add_argument(
         "--overwrite",
@@ -329,6 +336,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     train.add_argument("--debug", action="store_true", help="print a failing rank's whole traceback")
     return parser.parse_args(argv)
+
+
+def local_dir(flag: str) -> Callable[[str], Path]:
+    """The argparse type of a path flag: a local path (a ``file://`` URL is its path; another storage URL is one
+    error naming the flag, where ``Path`` would have turned ``s3://b/r`` into a local folder named ``s3:``)."""
+
+    def parse(text: str) -> Path:
+        try:
+            return local_path(text, flag)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return parse
 
 
 def number(text: str) -> int | float:

@@ -534,3 +534,12 @@ def test_ep_mode_masking_loads_with_the_models_own_masked_plan(finetune, tmp_pat
     bad = ["--output-dir", str(tmp_path / "bad"), "--tp-size", "2", "--ep-size", "4", "--ep-mode", "masking"]
     assert finetune.main([*bad, "--no-progress"]) == 2
     assert "CFG-4" in capsys.readouterr().err
+
+
+def test_output_dir_urls(finetune, tmp_path, capsys):
+    """--output-dir file:///x is /x; s3://... is one error line (Path would have made it a local folder 's3:')."""
+    assert finetune.parse_args(["--output-dir", f"file://{tmp_path}/run"]).output_dir == tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_code:
+        finetune.parse_args(["--output-dir", "s3://bucket/run"])
+    assert exit_code.value.code == 2
+    assert "--output-dir='s3://bucket/run' is a s3:// URL" in capsys.readouterr().err
