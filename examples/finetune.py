@@ -48,7 +48,7 @@ from raymoe.driver.local_paths import local_path
 from raymoe.driver.tokenizer import load_chat_template
 from raymoe.models import ModelConfig, build_model, load_model_config
 from raymoe.models.common.lora import adapter_parameters
-from raymoe.spec.lora import LoraSpec, add_adapters, default_targets, is_expert_weight, resolve_lora
+from raymoe.spec.lora import LoraSpec, add_adapters, lora_config_of, resolve_lora
 
 EXAMPLES = Path(__file__).resolve().parent
 DEFAULT_DATASET = EXAMPLES / "data" / "corpus.txt"
@@ -465,18 +465,7 @@ def lora_of(args: argparse.Namespace, model_config: ModelConfig) -> Lora | None:
     if args.adapter is not None:
         request = str(args.adapter.expanduser().absolute())  # the ranks may run in another directory
     else:
-        if args.lora_targets is None:
-            modules, parameters = default_targets(model)
-        else:
-            modules = [name for name in args.lora_targets if not is_expert_weight(name)]
-            parameters = [name for name in args.lora_targets if is_expert_weight(name)]
-        alpha = args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r
-        request = raymoe.LoraConfig(
-            r=args.lora_r,
-            lora_alpha=alpha,
-            target_modules="all-linear" if modules == ["all-linear"] else (modules or None),
-            target_parameters=parameters,
-        )
+        request = lora_config_of(model, args.lora_r, args.lora_alpha, args.lora_targets)
     spec = resolve_lora(request, model)
     add_adapters(model, spec)
     trainable = sum(param.numel() for _, param in adapter_parameters(model))

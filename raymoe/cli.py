@@ -23,9 +23,10 @@ the simulated worlds ``raymoe plan`` runs its rank function on.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ from raymoe.driver.plan import plan_memory
 from raymoe.models.registry import build_model, parse_model_config
 from raymoe.rank.fake import FakeWorlds
 from raymoe.spec.config import DistributedConfig
-from raymoe.spec.lora import LoraConfig, default_targets, is_expert_weight
+from raymoe.spec.lora import LoraConfig, lora_config_of
 
 EXIT_ERROR = 2  # argparse's status for bad usage; a bad state or a failed write exits with it too
 
@@ -149,32 +150,24 @@ def parse_layout(text: str, model: nn.Module) -> DistributedConfig:
 
 
 def _meta_model(name: str) -> nn.Module:
+    """The model of ``name``'s config.json on meta (what --layout's masking and --lora-r's default targets read)."""
     from raymoe.checkpoint.hub import resolve_config_file
     from raymoe.models.common.config import read_config_file
 
     return build_model(parse_model_config(read_config_file(resolve_config_file(name).parent)), device="meta")
 
 
-def _lora(args: argparse.Namespace) -> LoraConfig | None:
+def _lora(args: argparse.Namespace, meta: Callable[[], nn.Module]) -> LoraConfig | None:
     if args.lora_r is None:
         if args.lora_targets or args.quantized_experts:
             raise ValueError("--lora-targets and --quantized-experts need --lora-r (LoRA adapters on a frozen base)")
         return None
-    if args.lora_targets is not None:
-        modules = [name for name in args.lora_targets if not is_expert_weight(name)]
-        parameters = [name for name in args.lora_targets if is_expert_weight(name)]
-    else:
-        modules, parameters = default_targets(_meta_model(args.model))
-    return LoraConfig(  # as finetune.py makes it
-        r=args.lora_r,
-        lora_alpha=2 * args.lora_r,
-        target_modules="all-linear" if modules == ["all-linear"] else (modules or None),
-        target_parameters=parameters,
-    )
+    return lora_config_of(meta(), args.lora_r, targets=args.lora_targets)
 
 
 def _plan(args: argparse.Namespace) -> MemoryPlan:
-    layouts = [parse_layout(text, _meta_model(args.model)) for text in args.layout] if args.layout else None
+    meta = functools.cache(lambda: _meta_model(args.model))  # built once, and only when a flag needs it
+    layouts = [parse_layout(text, meta()) for text in args.layout] if args.layout else None
     return plan_memory(
         args.model,
         gpus=args.gpus,
@@ -182,7 +175,7 @@ def _plan(args: argparse.Namespace) -> MemoryPlan:
         nodes=args.nodes,
         seq_len=args.seq_len,
         batch=args.batch,
-        lora=_lora(args),
+        lora=_lora(args, meta),
         quantized_experts=args.quantized_experts,
         precision=args.precision,
         dtype=args.dtype,

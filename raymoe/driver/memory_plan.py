@@ -194,16 +194,21 @@ def _listed(modules: tuple[str, ...] | str | None) -> list[str]:
 
 
 def launch_command(plan: MemoryPlan, layout: LayoutPlan) -> str:
-    """The ``examples/finetune.py`` command line of ``layout`` (the activation checkpointing it needs to fit)."""
+    """The ``examples/finetune.py`` command line of ``layout`` (the activation checkpointing it needs to fit); of a
+    pipeline layout, which finetune.py cannot launch, the ``from_pretrained`` call."""
     config = layout.config
+    if (config.pp_size or 1) > 1:  # finetune.py has no pipeline flags: the layout as from_pretrained takes it
+        sizes = {name: value for name, value in config.to_dict().items() if name.endswith("_size") and value}
+        return f"raymoe.from_pretrained({plan.model!r}, distributed_config=raymoe.DistributedConfig(**{sizes!r}))"
     args = ["python", "examples/finetune.py", "--model", plan.model, "--seq-len", str(plan.seq_len)]
+    # every size finetune.py has a default for (its DEFAULT_LAYOUT, tp2·fsdp2·ep2) is given, 1 included
     for flag, value in (
         ("--tp-size", config.tp_size),
         ("--fsdp-size", config.fsdp_size),
         ("--ep-size", config.ep_size),
-        ("--dp-replicate-size", config.dp_replicate_size),
-        ("--cp-size", config.cp_size),
     ):
+        args += [flag, str(value or 1)]
+    for flag, value in (("--dp-replicate-size", config.dp_replicate_size), ("--cp-size", config.cp_size)):
         if value is not None and value > 1:
             args += [flag, str(value)]
     if layout.expert_mode == "masking":

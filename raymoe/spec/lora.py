@@ -481,3 +481,22 @@ def is_expert_weight(name: str) -> bool:
     """A target name of a fused expert weight: one with an ``experts.`` part (``mlp.experts.down_proj``; not
     ``mlp.shared_experts.down_proj``, a linear layer)."""
     return re.search(r"(^|\.)experts\.[^.]+$", name) is not None
+
+
+def lora_config_of(
+    model: nn.Module, r: int, alpha: float | None = None, targets: Sequence[str] | None = None
+) -> LoraConfig:
+    """The adapters of a command line (``finetune.py``'s and ``raymoe plan``'s ``--lora-r``, ``--lora-alpha``,
+    ``--lora-targets``): ``targets`` split into linear layers and fused expert weights (:func:`is_expert_weight`;
+    None: :func:`default_targets` of ``model``, the meta model), ``alpha`` None: ``2 * r``."""
+    if targets is None:
+        modules, parameters = default_targets(model)
+    else:
+        modules = [name for name in targets if not is_expert_weight(name)]
+        parameters = [name for name in targets if is_expert_weight(name)]
+    return LoraConfig(
+        r=r,
+        lora_alpha=alpha if alpha is not None else 2 * r,
+        target_modules="all-linear" if modules == ["all-linear"] else (modules or None),
+        target_parameters=parameters,
+    )

@@ -155,6 +155,13 @@ def test_cli_prints_the_table_and_the_command(tiny_checkpoint, capsys):
     assert main(["plan", str(tiny_checkpoint(MOE)), "--gpus", "4", "--gpu-memory", "80GB", "--seq-len", "64"]) == 0
     out = capsys.readouterr().out
     assert "| layout | params |" in out and "best: python examples/finetune.py --model" in out
+    # every size finetune.py defaults (tp2·fsdp2·ep2) is given, so the command launches the planned layout
+    best = out.rpartition("best: ")[2]
+    assert all(flag in best for flag in ("--tp-size", "--fsdp-size", "--ep-size"))
+    assert (
+        main(["plan", str(tiny_checkpoint(MOE)), "--gpus", "4", "--gpu-memory", "80GB", "--layout", "pp=2,fsdp=2"]) == 0
+    )
+    assert "raymoe.from_pretrained(" in capsys.readouterr().out.rpartition("best: ")[2]
     assert main(["plan", str(tiny_checkpoint(MOE)), "--gpus", "2", "--gpu-memory", "1GiB", "--json",
                  "--layout", "tp=2,ep=2,ep_mode=masking", "--lora-r", "4"]) == 0  # fmt: skip
     report = json.loads(capsys.readouterr().out)
