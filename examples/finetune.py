@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -44,7 +43,7 @@ from actors import PlacementError, RankError
 from raymoe.checkpoint import resolve_config_file
 from raymoe.driver.batch import check_input_ids
 from raymoe.driver.candidate_layouts import masked_ep_plan
-from raymoe.driver.local_paths import local_path
+from raymoe.driver.local_paths import path_flag
 from raymoe.driver.tokenizer import load_chat_template
 from raymoe.models import ModelConfig, build_model, load_model_config
 from raymoe.models.common.lora import adapter_parameters
@@ -118,7 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data.add_argument("--num-proc", type=int, help="tokenizing processes (default: one per CPU for large data)")
     data.add_argument(
         "--cache-dir",
-        type=local_dir("--cache-dir"),
+        type=path_flag("--cache-dir"),
         help="where tokenized data is cached by content hash (default: $RAYMOE_CACHE_DIR or ~/.cache/raymoe/tokenized)",
     )
     data.add_argument("--no-cache", action="store_true", help="tokenize afresh and cache nothing")
@@ -230,7 +229,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     train.add_argument(
         "--output-dir",
-        type=local_dir("--output-dir"),
+        type=path_flag("--output-dir"),
         default=Path("runs/finetune"),
         help="checkpoint (or LoRA adapter), metrics, plot (default: %(default)s)",
     )
@@ -246,7 +245,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     train.add_argument("--run-name", help="the run's name in the trackers (default: --output-dir's name)")
     train.add_argument(
-        "--logging-dir", type=local_dir("--logging-dir"), help="TensorBoard's event files (default: OUTPUT_DIR/runs)"
+        "--logging-dir", type=path_flag("--logging-dir"), help="TensorBoard's event files (default: OUTPUT_DIR/runs)"
     )
 
     lora = parser.add_argument_group("LoRA adapters (the base frozen, only the adapters train; PEFT's format)")
@@ -273,7 +272,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     lora.add_argument(
         "--adapter",
-        type=local_dir("--adapter"),
+        type=path_flag("--adapter"),
         metavar="DIR",
         help="keep training this PEFT adapter directory (its r, lora_alpha and targets; not with --lora-r, "
         "--lora-alpha or --lora-targets)",
@@ -324,7 +323,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     start.add_argument(
         "--resume-from",
-        type=local_dir("--resume-from"),
+        type=path_flag("--resume-from"),
         metavar="STATE_DIR",
         help="continue from this training state directory instead",
     )
@@ -336,19 +335,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     train.add_argument("--debug", action="store_true", help="print a failing rank's whole traceback")
     return parser.parse_args(argv)
-
-
-def local_dir(flag: str) -> Callable[[str], Path]:
-    """The argparse type of a path flag: a local path (a ``file://`` URL is its path; another storage URL is one
-    error naming the flag, where ``Path`` would have turned ``s3://b/r`` into a local folder named ``s3:``)."""
-
-    def parse(text: str) -> Path:
-        try:
-            return local_path(text, flag)
-        except ValueError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
-
-    return parse
 
 
 def number(text: str) -> int | float:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import raymoe
 from actors import PlacementError
+from raymoe.driver.local_paths import path_flag
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,7 +43,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "bytes of bf16-mixed and gives the same tokens",
     )
     parser.add_argument(
-        "--output-dir", type=Path, default=Path("runs/generate"), help="where the embedded model is built"
+        "--output-dir",
+        type=path_flag("--output-dir"),
+        default=Path("runs/generate"),
+        help="where the embedded model is built",
     )
     return parser.parse_args(argv)
 

@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 import raymoe
 from actors import PlacementError
+from raymoe.driver.local_paths import path_flag
 from raymoe.driver.metrics import METRICS_FILE, MetricsLog
 
 DEFAULT_LAYOUT = "tp_size=2,fsdp_size=2,ep_size=2"
@@ -56,7 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-replay", action="store_true", help="train without the rollout's routes")
     parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     parser.add_argument("--cpus-per-rank", type=float, default=0.5, help="(default: %(default)s)")
-    parser.add_argument("--output-dir", type=Path, default=Path("runs/grpo"), help="(default: %(default)s)")
+    parser.add_argument(
+        "--output-dir", type=path_flag("--output-dir"), default=Path("runs/grpo"), help="(default: %(default)s)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     for name in ("steps", "prompts", "group_size", "mini_batches", "prompt_letters"):

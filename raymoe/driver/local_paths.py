@@ -11,8 +11,10 @@ A path must name a filesystem every rank and the driver see (one machine, or a s
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -36,3 +38,16 @@ def local_path(value: str | os.PathLike[str], field: str) -> Path:
     if parts.netloc not in ("", "localhost"):
         raise ValueError(f"{field}={text!r}: a file:// URL of host {parts.netloc!r}; give a path on this machine")
     return Path(unquote(parts.path)).absolute()
+
+
+def path_flag(flag: str) -> Callable[[str], Path]:
+    """The argparse ``type=`` of a command line's path flag (``examples/*.py``): :func:`local_path`, its error the
+    flag's one usage error, where ``type=Path`` would turn ``s3://b/r`` into a local folder named ``s3:``."""
+
+    def parse(text: str) -> Path:
+        try:
+            return local_path(text, flag)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return parse

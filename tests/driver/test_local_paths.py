@@ -48,3 +48,14 @@ def test_saves_refuse_a_url_before_any_rank_writes(load_local, tiny_checkpoint, 
     assert model.save_pretrained(f"file://{tmp_path}/ckpt") is not None
     assert (tmp_path / "ckpt" / "config.json").is_file()
     assert not (Path.cwd() / "s3:").exists()
+
+
+def test_a_path_flag_is_one_usage_error_for_a_url(tmp_path):
+    import argparse
+
+    from raymoe.driver.local_paths import path_flag
+
+    parse = path_flag("--output-dir")
+    assert parse(f"file://{tmp_path}/run") == tmp_path / "run"
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^--output-dir='s3://b/r' is a s3:// URL"):
+        parse("s3://b/r")
