@@ -52,8 +52,10 @@ from actors.placement import (
     rank_env,
 )
 from actors.rank import CONCURRENCY_GROUPS, RankActor
+from actors.shared_paths import check_nodes_see
 from raymoe.rank.context import use_layout
 from raymoe.rank.contract import DEFAULT_COLLECTIVE_TIMEOUT_S, Backend, RankFailure, RankProgress, Rendezvous
+from raymoe.spec.shared_paths import SharedPath
 from raymoe.spec.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -122,10 +124,17 @@ class RayRankGroup:
     """One Ray actor per rank of a world; see the module docstring for the life cycle."""
 
     def __init__(
-        self, world_size: int, placement: Placement, actors: list[Any], options: GroupOptions, block: int = 1
+        self,
+        world_size: int,
+        placement: Placement,
+        actors: list[Any],
+        options: GroupOptions,
+        block: int = 1,
+        shared: Sequence[SharedPath] = (),
     ) -> None:
         self._world_size = world_size
         self._options, self._block = options, block
+        self._shared = tuple(shared)  # asked again of a replacement's nodes
         self.topology: Topology | None = None  # the layout in use, for naming ranks in errors
         self._placement: Placement | None = placement
         self._actors = actors
@@ -134,13 +143,21 @@ class RayRankGroup:
         self._node_ips: list[str] = []  # each rank's node address, for messages
 
     @classmethod
-    def create(cls, world_size: int, options: GroupOptions, *, block: int = 1) -> RayRankGroup:
+    def create(
+        cls, world_size: int, options: GroupOptions, *, block: int = 1, shared: Sequence[SharedPath] = ()
+    ) -> RayRankGroup:
         """Place and start ``world_size`` ranks, ``block`` consecutive ones per node, and join them into
-        one process group."""
+        one process group. ``shared``: local paths every node the ranks are placed on must see as the driver does
+        (:mod:`raymoe.spec.shared_paths`), asked once the nodes are known, before any rank starts."""
         backend = rank_backend(options.use_gpu, options.backend)  # before anything starts: bad input fails here
         request = PlacementRequest(world_size, options.use_gpu, options.cpus_per_rank, block)
         check_fits(request, cluster_nodes())
         placement = place(request, options.placement_timeout_s)
+        try:
+            check_nodes_see(shared, placement.node_of_rank)
+        except BaseException:
+            placement.remove()
+            raise
         actor_class = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(RankActor)  # type: ignore[call-overload]
         actors = [
             actor_class.options(
@@ -151,7 +168,7 @@ class RayRankGroup:
             ).remote()
             for bundle in placement.bundle_of_rank
         ]
-        group = cls(world_size, placement, actors, options, block)
+        group = cls(world_size, placement, actors, options, block, shared)
         track_world(group)
         try:
             group._join(options, backend)
@@ -161,16 +178,19 @@ class RayRankGroup:
         return group
 
     @classmethod
-    def for_topology(cls, topology: Topology, options: GroupOptions) -> RayRankGroup:
-        """A world sized and placed for ``topology`` (its tp / ep groups on one node), already in that layout."""
-        group = cls.create(topology.world_size, options, block=node_block(topology))
+    def for_topology(
+        cls, topology: Topology, options: GroupOptions, *, shared: Sequence[SharedPath] = ()
+    ) -> RayRankGroup:
+        """A world sized and placed for ``topology`` (its tp / ep groups on one node), already in that layout;
+        ``shared`` as for :meth:`create`."""
+        group = cls.create(topology.world_size, options, block=node_block(topology), shared=shared)
         group.use_layout(topology)
         return group
 
     def replacement(self) -> RayRankGroup:
         """New rank actors for a world a failure ended: the same size, options and node blocks, placed afresh (on
         other nodes if one is gone), in this world's layout."""
-        group = RayRankGroup.create(self._world_size, self._options, block=self._block)
+        group = RayRankGroup.create(self._world_size, self._options, block=self._block, shared=self._shared)
         try:
             if self.topology is not None:
                 group.use_layout(self.topology)
@@ -182,6 +202,11 @@ class RayRankGroup:
     @property
     def world_size(self) -> int:
         return self._world_size
+
+    def check_shared(self, needs: Sequence[SharedPath]) -> None:
+        """Raise ``ValueError`` when a node hosting ranks (not the driver's) does not see ``needs`` as the driver
+        does (:mod:`raymoe.spec.shared_paths`); nothing runs when every rank is on the driver's node."""
+        check_nodes_see(needs, self._live_placement().node_of_rank)
 
     def use_layout(self, topology: Topology) -> None:
         """Regroup the ranks as ``topology``: its tp / ep groups must not cross nodes."""

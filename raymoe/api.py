@@ -24,6 +24,7 @@ from raymoe.rank.fake import FakeWorlds
 from raymoe.spec.config import DistributedConfig
 from raymoe.spec.launch import as_config, prepare_launch
 from raymoe.spec.lora import LoraConfig
+from raymoe.spec.shared_paths import launch_reads
 
 if TYPE_CHECKING:
     from actors.group import GroupOptions, RayRankGroup
@@ -106,7 +107,10 @@ def from_pretrained(
         lora=lora,
         quantized_experts=quantized_experts,
     )
+    # local paths the ranks read: every node hosting one must see them as this process does
+    reads = launch_reads(spec.source, spec.lora.adapter_dir if spec.lora is not None else None)
     if world is not None:
+        world.check_shared(reads)
         return DistributedModel.launch(spec, world, owns_group=False)
 
     from actors.group import RayRankGroup
@@ -114,7 +118,8 @@ def from_pretrained(
     options = _group_options(
         spec.topology.world_size, use_gpu, cpus_per_rank, backend, placement_timeout_s, collective_timeout_s
     )
-    return DistributedModel.launch(spec, RayRankGroup.for_topology(spec.topology, options), owns_group=True)
+    group = RayRankGroup.for_topology(spec.topology, options, shared=reads)
+    return DistributedModel.launch(spec, group, owns_group=True)
 
 
 def plan(model: str | os.PathLike[str], *, gpus: int, gpu_memory: str | int, **options: Any) -> MemoryPlan:

@@ -7,6 +7,8 @@ It outlives the models loaded on it: ``use_layout`` regroups the same ranks for 
     execute(fn, *args)              fn(ctx, *args) on every rank; results in rank order
     execute_per_rank(fn, args_of)   rank r runs fn(ctx, *args_of[r]) (e.g. its rows of the batch)
     use_layout(topology)            every rank builds (or reuses) that layout's meshes
+    check_shared(needs)             every node hosting ranks sees these local paths as the driver does
+                                    (raymoe.spec.shared_paths), else one ValueError
     replacement()                   a new group like this one (same size and placement rules, same layout),
                                     for ranks a failure ended
     shutdown()                      end the ranks; idempotent
@@ -21,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
+from raymoe.spec.shared_paths import SharedPath
 from raymoe.spec.topology import Topology
 
 T = TypeVar("T")
@@ -36,6 +39,8 @@ class RankGroup(Protocol):
     def is_alive(self) -> bool: ...
 
     def use_layout(self, topology: Topology) -> None: ...
+
+    def check_shared(self, needs: Sequence[SharedPath]) -> None: ...
 
     def execute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]: ...
 

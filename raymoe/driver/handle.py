@@ -34,6 +34,7 @@ from raymoe.driver.group import RankGroup
 from raymoe.driver.hub_save import save_pretrained
 from raymoe.driver.inference import GenerationOptions, Inference
 from raymoe.driver.loaded_view import LoadedView
+from raymoe.driver.local_paths import local_path
 from raymoe.driver.logprobs import Logprobs
 from raymoe.driver.memory_plan import describe_memory
 from raymoe.driver.policy import prepare_policy
@@ -50,6 +51,7 @@ from raymoe.spec.balance import DEFAULT_BIAS_UPDATE_RATE, BalanceConfig, Balance
 from raymoe.spec.launch import LaunchSpec
 from raymoe.spec.optimizer import OptimizerConfig
 from raymoe.spec.policy import PolicyLossFn
+from raymoe.spec.shared_paths import SharedPath, read_path, remove_marker, write_path
 
 
 class DistributedModel(LoadedView, ReinforcementMethods):
@@ -279,6 +281,7 @@ class DistributedModel(LoadedView, ReinforcementMethods):
         while training continues. The next ``save_state``, ``load_state``, :meth:`wait_for_save` or
         ``shutdown`` waits for it and raises its failure.
         """
+        self.check_shared([write_path("save_state path", Path(local_path(path, "save_state path")).parent)])
         return self._states.save(path, async_save, extra)
 
     def wait_for_save(self) -> Path | None:
@@ -305,7 +308,18 @@ class DistributedModel(LoadedView, ReinforcementMethods):
         """
         self._states.wait()
         checked = path if isinstance(path, CheckedState) else self._states.check(path)
+        self.check_shared([read_path("load_state path", checked.directory, every_file=True)])
         return self._states.load(checked)
+
+    def check_shared(self, needs: Sequence[SharedPath]) -> None:
+        """Raise one ``ValueError`` when a node hosting ranks does not see these local paths as the driver does
+        (:mod:`raymoe.spec.shared_paths`: files missing or of another size, a written marker not there); nothing
+        runs when every rank is on the driver's node. The markers of write paths are removed after."""
+        try:
+            self._lease.group().check_shared(needs)
+        finally:
+            for need in needs:
+                remove_marker(need)
 
     def memory(self) -> list[RankMemory]:
         """What every rank holds now, measured from its shards, in rank order (:class:`RankMemory`): parameters,

@@ -24,10 +24,7 @@ the state's step and is appended to; the progress bar starts at that step.
 Token counting does not depend on the layout: the global batch is what ``train_step`` gets, the loss is the mean
 over all its label tokens (``num_tokens``, counted on the driver), and gradient accumulation splits each
 data-parallel rank's rows into micro-batches inside the one optimizer step. ``tokens_per_s`` is label tokens per
-wall-clock second of the step, as seen from the driver.
-
-Driver-side only: this module never imports ``ray`` or ``actors``; it drives the handle that
-:func:`raymoe.from_pretrained` returned.
+wall-clock second of the step, as seen from the driver. Driver-side only (no ``ray``, no ``actors``).
 """
 
 from __future__ import annotations
@@ -57,6 +54,7 @@ from raymoe.driver.tokenizer import TextTokenizer
 from raymoe.driver.trackers import Trackers
 from raymoe.driver.trainer_config import TrainerConfig, check_int
 from raymoe.models.common.loss import IGNORE_INDEX
+from raymoe.spec.shared_paths import write_path
 
 if TYPE_CHECKING:
     from raymoe.driver.handle import DistributedModel
@@ -96,6 +94,7 @@ class Trainer:
         # Where to start, checked against what output_dir holds and what the state saved, before any rank call.
         start = config.check_output_dir()
         checked = model.check_state(start) if start is not None else None
+        model.check_shared([write_path("output_dir", self.output_dir)])  # the ranks write state shards there
         self.step = resume_step(checked, config, self.train_data.num_sequences) if checked is not None else 0
         self.resumed_from = start
         if start is None and config.resume_from == LATEST:
@@ -108,7 +107,7 @@ class Trainer:
                 f" (replacing what the earlier run left: {', '.join(held)})" if held else "",
             )
         self._pending_state: Path | None = None  # an asynchronous save_state still writing
-        self._last_state: Path | None = None
+        self._last_state: Path | None = None  # the newest state this fit() saved
         self.restarts = 0
         self._stops = StopRequests(lambda: self.step, config.save_state_on_interrupt)
         self._restart_record: RestartRecord | None = None  # written once the first step after a restart finished

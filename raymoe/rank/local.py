@@ -25,6 +25,7 @@ import torch.distributed as dist
 from raymoe.rank.context import RankContext, join_world, leave_world, use_layout
 from raymoe.rank.contract import DEFAULT_COLLECTIVE_TIMEOUT_S, Backend, Rendezvous
 from raymoe.rank.failure import rank_failure
+from raymoe.spec.shared_paths import SharedPath
 from raymoe.spec.topology import Topology
 
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -70,6 +71,9 @@ class LocalRankGroup:
             raise ValueError(f"the layout needs {topology.world_size} ranks; a LocalRankGroup has one")
         self.execute(use_layout, topology)
         self.topology = topology
+
+    def check_shared(self, needs: Sequence[SharedPath]) -> None:
+        """Nothing to ask: the one rank runs in the driver's process, so it sees what the driver sees."""
 
     def execute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """``[fn(ctx, *args, **kwargs)]``; an exception ends the world and raises :class:`LocalRankError`."""

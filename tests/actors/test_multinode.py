@@ -1,7 +1,8 @@
 """Several Ray nodes for real: Ray's own test cluster (``ray.cluster_utils.Cluster``, one raylet per node on this
 machine, 2 CPUs each, one spare), in a driver process of its own.
 
-On it: tp groups stay inside a node (TOPO-5) and each HSDP replica sits on one node; then a whole node is removed
+On it: tp groups stay inside a node (TOPO-5) and each HSDP replica sits on one node; the nodes hosting ranks are
+asked whether they see the driver's local paths (raymoe.spec.shared_paths); then a whole node is removed
 after step 4 of a dp_replicate2/fsdp2 run with ``max_failures=1``, and the run finishes on the node that was idle
 until then (the spare: whichever node placement left free) with the last loss of an uninterrupted run.
 """
@@ -23,6 +24,7 @@ SCRIPT = textwrap.dedent(
     from ray.cluster_utils import Cluster
     import raymoe
     from raymoe import DistributedConfig, PackedData, Trainer, TrainerConfig
+    from raymoe.spec.shared_paths import SharedPath
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     workers = [cluster.add_node(num_cpus=2) for _ in range(2)]
@@ -37,6 +39,11 @@ SCRIPT = textwrap.dedent(
 
     with raymoe.from_pretrained(checkpoint, distributed_config=DistributedConfig(tp_size=2, fsdp_size=2)) as model:
         out["tp2_fsdp2_nodes"] = model.run_on_ranks(node_of)
+        # the ranks' nodes are asked for the driver's local paths: one the driver lists that they cannot see
+        try:
+            model.check_shared([SharedPath("output_dir", str(work), (("only-on-the-driver", 1),))])
+        except ValueError as error:
+            out["unseen"] = str(error)
 
     data = PackedData.from_rows(torch.randint(0, 256, (16, 16), generator=torch.Generator().manual_seed(3)))
     layout = DistributedConfig(dp_replicate_size=2, fsdp_size=2)
@@ -86,6 +93,10 @@ def test_groups_stay_on_nodes_and_a_lost_node_is_replaced_by_a_spare(tmp_path):
     assert tp[0] == tp[1] and tp[2] == tp[3] and tp[0] != tp[2], tp  # each tp group inside one node, 2 nodes used
     hsdp = out["hsdp_nodes"]
     assert hsdp[0] == hsdp[1] and hsdp[2] == hsdp[3] and hsdp[0] != hsdp[2], hsdp  # one replica per node
+    # every worker node was asked (the driver's node, the head, hosts no rank); the checkpoint, output_dirs and
+    # states of the runs below passed the same question
+    assert out["unseen"].count("does not see it as the driver does") == 2, out["unseen"]
+    assert "(ranks 0..1)" in out["unseen"] and "(ranks 2..3)" in out["unseen"], out["unseen"]
     assert out["restarts"] == 1
     # the ranks of the lost node went to the node that was idle until then (the spare, whichever one PACK left free)
     idle = set(out["all_nodes"]) - set(out["before_nodes"])
