@@ -32,6 +32,25 @@ if "RAYMOE_CACHE_DIR" not in os.environ:
     os.environ["RAYMOE_CACHE_DIR"] = os.path.join(_CACHE, "tokenized")
     os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(_CACHE, "datasets"))
 
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+# Storage URLs (s3://) go to a local S3-compatible server (moto) the `s3_bucket` fixture starts on this port; set
+# before any Ray worker starts, so every rank process reaches it too, with the server's test credentials.
+S3_PORT = _free_port()
+os.environ.update(
+    AWS_ENDPOINT_URL_S3=f"http://127.0.0.1:{S3_PORT}",
+    AWS_ACCESS_KEY_ID="testing",
+    AWS_SECRET_ACCESS_KEY="testing",
+    AWS_DEFAULT_REGION="us-east-1",
+)
+
 RAY_TEST_CPUS = 16  # logical CPUs: the shared worlds below plus 8-rank groups of their own, on 2 cores
 WORLD_CPUS_PER_RANK = 0.25  # the shared worlds' 15 ranks hold 3.75 logical CPUs, leaving 12 for other groups
 
@@ -109,6 +128,32 @@ def load_local():
     yield load
     for started in worlds:
         started.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A local S3-compatible server (moto's standalone server) on ``S3_PORT``, for the whole session."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=S3_PORT, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{S3_PORT}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server, request):
+    """``s3://<bucket>``: a new, empty bucket on the local server for this test (through s3fs)."""
+    import fsspec
+
+    name = "raymoe-" + "".join(c if c.isalnum() else "-" for c in request.node.name.lower())[:40].strip("-")
+    name = f"{name}-{len(_BUCKETS)}"
+    _BUCKETS.append(name)
+    fsspec.filesystem("s3").mkdir(name)
+    return f"s3://{name}"
+
+
+_BUCKETS: list[str] = []
 
 
 # --- multi-rank CPU process groups (gloo) for torch.distributed tests --------------------------

@@ -25,6 +25,8 @@ checks it (:func:`check_lora_state`).
 
 A directory is a state only with its manifest (written last, inside the staging directory that is then
 renamed into place: :mod:`raymoe.checkpoint.staging`), so a save that did not finish is never taken for one.
+On storage URLs (:mod:`raymoe.checkpoint.storage`) the directory is the generation the target's commit marker
+names (:mod:`raymoe.checkpoint.committed`); the checks below read it through fsspec.
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ from typing import Any
 
 from torch import Tensor, nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from raymoe.checkpoint.fingerprint import BaseFingerprint
+from raymoe.checkpoint.storage import Location, StorageUrl, child, is_directory, read_bytes, size_of
 from raymoe.models.common.lora import frozen_base_names
 
 MANIFEST_FILE = "raymoe_state.json"
@@ -110,10 +114,10 @@ class StateManifest:
         }
 
     @classmethod
-    def from_json(cls, raw: Mapping[str, Any], directory: Path) -> StateManifest:
+    def from_json(cls, raw: Mapping[str, Any], directory: Location) -> StateManifest:
         if raw.get("format") != FORMAT or raw.get("version") != VERSION:
             raise TrainingStateError(
-                f"{directory / MANIFEST_FILE} is not a raymoe training state of version {VERSION} "
+                f"{child(directory, MANIFEST_FILE)} is not a raymoe training state of version {VERSION} "
                 f"(format={raw.get('format')!r}, version={raw.get('version')!r})"
             )
         try:
@@ -130,7 +134,8 @@ class StateManifest:
                 base=BaseFingerprint.from_json(raw["base"]) if raw.get("base") is not None else None,
             )
         except (KeyError, TypeError, ValueError) as error:
-            raise TrainingStateError(f"{directory / MANIFEST_FILE} lacks or garbles a field: {error!r}") from error
+            where = child(directory, MANIFEST_FILE)
+            raise TrainingStateError(f"{where} lacks or garbles a field: {error!r}") from error
 
 
 def _optional_str(value: Any) -> str | None:
@@ -139,19 +144,19 @@ def _optional_str(value: Any) -> str | None:
     return value
 
 
-def read_manifest(directory: str | os.PathLike[str]) -> StateManifest:
+def read_manifest(directory: str | os.PathLike[str] | StorageUrl) -> StateManifest:
     """The manifest of the state in ``directory``; a :class:`TrainingStateError` when it is missing or unreadable."""
-    directory = Path(directory)
-    if not directory.is_dir():
+    directory = _location(directory)
+    if not is_directory(directory):
         raise TrainingStateError(f"training state {directory} does not exist (or is not a directory)")
-    path = directory / MANIFEST_FILE
-    if not path.is_file():
+    path = child(directory, MANIFEST_FILE)
+    try:
+        raw = json.loads(read_bytes(path))
+    except FileNotFoundError:
         raise TrainingStateError(
             f"{directory} is not a complete raymoe training state: it has no {MANIFEST_FILE} (written last, "
             "so this is a save that did not finish, or another kind of directory)"
-        )
-    try:
-        raw = json.loads(path.read_text())
+        ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise TrainingStateError(f"cannot read {path}: {error}") from error
     if not isinstance(raw, dict):
@@ -184,7 +189,7 @@ def expected_entries(model: nn.Module, *, with_optimizer: bool = True) -> dict[s
 
 
 def check_training_state(
-    directory: str | os.PathLike[str], model: nn.Module, model_type: str, *, with_optimizer: bool = True
+    directory: str | os.PathLike[str] | StorageUrl, model: nn.Module, model_type: str, *, with_optimizer: bool = True
 ) -> StateManifest:
     """Everything about ``directory`` that can be known without reading a tensor, checked on the driver.
 
@@ -193,7 +198,7 @@ def check_training_state(
     a removed or truncated file is found here, before any weight changes). All problems in one
     :class:`TrainingStateError` naming ``directory``.
     """
-    directory = Path(directory)
+    directory = _location(directory)
     manifest = read_manifest(directory)
     saved_type = manifest.model_config.get("model_type")
     if saved_type != model_type:
@@ -214,7 +219,7 @@ _LORA_CONTEXT_FIELDS = ("base_model_name_or_path", "inference_mode")
 
 
 def check_lora_state(
-    directory: str | os.PathLike[str],
+    directory: str | os.PathLike[str] | StorageUrl,
     manifest: StateManifest,
     lora: Mapping[str, Any] | None,
     base: BaseFingerprint | None,
@@ -222,7 +227,7 @@ def check_lora_state(
     """A state fits a model's adapters: both full fine-tuning, or both LoRA with the same adapter config
     (``lora``: the model's ``adapter_config.json`` dict) on the same base (``base``: the model's fingerprint).
     A :class:`TrainingStateError` naming ``directory`` and what differs otherwise."""
-    directory = Path(directory)
+    directory = _location(directory)
     if manifest.lora is None and lora is None:
         return
     if manifest.lora is None:
@@ -254,12 +259,15 @@ def check_lora_state(
         )
 
 
-def read_metadata(directory: Path) -> Metadata:
+def read_metadata(directory: Location) -> Metadata:
     try:
+        if isinstance(directory, StorageUrl):
+            return FsspecReader(str(directory)).read_metadata()
         return FileSystemReader(directory).read_metadata()
     except Exception as error:  # DCP raises whatever reading or unpickling .metadata raised
         raise TrainingStateError(
-            f"cannot read {directory / '.metadata'} (the index of the state's tensors): {type(error).__name__}: {error}"
+            f"cannot read {child(directory, '.metadata')} (the index of the state's tensors): "
+            f"{type(error).__name__}: {error}"
         ) from error
 
 
@@ -278,7 +286,7 @@ def _entry_problems(metadata: Metadata, expected: dict[str, tuple[int, ...]], wi
     return problems
 
 
-def _file_problems(directory: Path, metadata: Metadata) -> list[str]:
+def _file_problems(directory: Location, metadata: Metadata) -> list[str]:
     """Data files that are missing or shorter than the last byte the metadata reads from them."""
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
@@ -286,9 +294,8 @@ def _file_problems(directory: Path, metadata: Metadata) -> list[str]:
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
     problems = []
     for relative, end in sorted(needed.items()):
-        path = directory / relative
         try:
-            size = path.stat().st_size
+            size = size_of(child(directory, relative))
         except OSError:
             problems.append(f"data file {relative} is missing")
             continue
@@ -309,6 +316,10 @@ def completed_states(directory: str | os.PathLike[str]) -> list[tuple[int, Path]
         if match and entry.is_dir() and (entry / MANIFEST_FILE).is_file():
             found.append((int(match.group(1)), entry))
     return sorted(found)
+
+
+def _location(directory: str | os.PathLike[str] | StorageUrl) -> Location:
+    return directory if isinstance(directory, StorageUrl) else Path(directory)
 
 
 def latest_state(directory: str | os.PathLike[str]) -> Path | None:

@@ -26,6 +26,7 @@ from typing import Any
 
 from torch import Tensor
 
+from raymoe.checkpoint.storage import StorageUrl
 from raymoe.checkpoint.training_state import StateManifest
 from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE
 from raymoe.driver.adapters import save_adapter
@@ -34,7 +35,7 @@ from raymoe.driver.group import RankGroup
 from raymoe.driver.hub_save import save_pretrained
 from raymoe.driver.inference import GenerationOptions, Inference
 from raymoe.driver.loaded_view import LoadedView
-from raymoe.driver.local_paths import local_path
+from raymoe.driver.local_paths import storage_path
 from raymoe.driver.logprobs import Logprobs
 from raymoe.driver.memory_plan import describe_memory
 from raymoe.driver.policy import prepare_policy
@@ -245,16 +246,17 @@ class DistributedModel(LoadedView, ReinforcementMethods):
 
     # --- checkpoints and training states ----------------------------------------------------------
 
-    def save_pretrained(self, path: str | os.PathLike[str], max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> list[Path]:
-        """Gather the weights into a hub-layout checkpoint at ``path`` (written by rank 0, on its node).
+    def save_pretrained(
+        self, path: str | os.PathLike[str], max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+    ) -> list[Path] | list[str]:
+        """Gather the weights into a hub-layout checkpoint at ``path`` (written by rank 0, on its node; a storage URL
+        such as ``s3://bucket/ckpt`` is uploaded from there, :mod:`raymoe.checkpoint.upload`).
 
-        All or nothing: the new checkpoint is staged beside ``path`` and swapped in whole, keeping the files
-        there it does not write (a tokenizer). Whatever makes it fail (a full disk, an I/O error, a check of
-        the written files), it raises one :class:`~raymoe.checkpoint.staging.CheckpointSaveError`, an
-        ``OSError`` (``errno`` the disk's code) naming the path, the file and the cause; ``path`` keeps the
-        previous checkpoint and the model stays loaded, weights and optimizer state: fix the cause and save
-        again, or keep training.
-        """
+        All or nothing (a local path): the new checkpoint is staged beside ``path`` and swapped in whole, keeping
+        the files there it does not write (a tokenizer). A failure (a full disk, an I/O error, a check of the
+        written files) raises one :class:`~raymoe.checkpoint.staging.CheckpointSaveError` (``errno`` the disk's
+        code) naming the path, the file and the cause; ``path`` keeps the previous checkpoint and the model stays
+        loaded, weights and optimizer state."""
         return save_pretrained(self._fanout, path, max_shard_size)
 
     def save_adapter(self, path: str | os.PathLike[str]) -> list[Path]:
@@ -266,7 +268,7 @@ class DistributedModel(LoadedView, ReinforcementMethods):
 
     def save_state(
         self, path: str | os.PathLike[str], *, async_save: bool = False, extra: Mapping[str, Any] | None = None
-    ) -> Path:
+    ) -> Path | StorageUrl:
         """Write the whole training state to the directory ``path``: model shards, AdamW moments and step counts,
         the router selection biases (bias balancing), every rank's RNG, :attr:`step`, the optimizer and balance
         settings, and ``extra`` (any JSON-serialisable dict, e.g. a data position; :meth:`load_state` returns it).
@@ -279,12 +281,14 @@ class DistributedModel(LoadedView, ReinforcementMethods):
 
         ``async_save=True`` returns once every rank has copied its shards to CPU memory; the writing goes on
         while training continues. The next ``save_state``, ``load_state``, :meth:`wait_for_save` or
-        ``shutdown`` waits for it and raises its failure.
-        """
-        self.check_shared([write_path("save_state path", Path(local_path(path, "save_state path")).parent)])
-        return self._states.save(path, async_save, extra)
+        ``shutdown`` waits for it and raises its failure. ``path`` may be a storage URL (``s3://bucket/run/state``:
+        a generation made visible by one commit marker, :mod:`raymoe.checkpoint.committed`)."""
+        target = storage_path(path, "save_state path", write=True)
+        if isinstance(target, Path):
+            self.check_shared([write_path("save_state path", target.parent)])
+        return self._states.save(target, async_save, extra)
 
-    def wait_for_save(self) -> Path | None:
+    def wait_for_save(self) -> Path | StorageUrl | None:
         """Wait for an asynchronous :meth:`save_state` to be written and swapped in; its directory, or None when
         none was in flight. Raises its failure (``CheckpointSaveError``); the previous state is then intact."""
         return self._states.wait()
@@ -308,7 +312,8 @@ class DistributedModel(LoadedView, ReinforcementMethods):
         """
         self._states.wait()
         checked = path if isinstance(path, CheckedState) else self._states.check(path)
-        self.check_shared([read_path("load_state path", checked.directory, every_file=True)])
+        if isinstance(checked.directory, Path):
+            self.check_shared([read_path("load_state path", checked.directory, every_file=True)])
         return self._states.load(checked)
 
     def check_shared(self, needs: Sequence[SharedPath]) -> None:

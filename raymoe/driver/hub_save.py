@@ -2,6 +2,7 @@
 
 All or nothing: the ranks stage the checkpoint beside the target and swap it in whole (:mod:`raymoe.rank.save`);
 a failure comes back as rank 0's answer and is raised here as one ``CheckpointSaveError``, the model still loaded.
+A storage URL is uploaded by rank 0 (:mod:`raymoe.checkpoint.upload`: not all or nothing).
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ from pathlib import Path
 
 from raymoe.checkpoint.staging import CheckpointSaveError
 from raymoe.driver.fanout import FanOut
-from raymoe.driver.local_paths import local_path
+from raymoe.driver.local_paths import storage_path
 from raymoe.rank.contract import SaveResult
 from raymoe.rank.save import save_gathered
 
 
-def save_pretrained(fanout: FanOut, path: str | os.PathLike[str], max_shard_size: int) -> list[Path]:
-    """Gather the weights into a hub-layout checkpoint at ``path`` (absolute on the driver); the files written."""
-    directory = local_path(path, "save_pretrained path")
+def save_pretrained(fanout: FanOut, path: str | os.PathLike[str], max_shard_size: int) -> list[Path] | list[str]:
+    """Gather the weights into a hub-layout checkpoint at ``path`` (absolute on the driver, or a storage URL); the
+    weight files written (their URLs, for a URL)."""
+    directory = storage_path(path, "save_pretrained path", write=True)
     result: SaveResult = fanout.every_rank(save_gathered, str(directory), max_shard_size)[0]
     if result.error is not None:
         raise CheckpointSaveError(
@@ -26,4 +28,6 @@ def save_pretrained(fanout: FanOut, path: str | os.PathLike[str], max_shard_size
             "(weights and optimizer state): fix the cause and call save_pretrained again",
             result.errno,
         )
+    if not isinstance(directory, Path):
+        return list(result.files)
     return [Path(file) for file in result.files]

@@ -1,12 +1,13 @@
 """A path a user gives for files raymoe writes or reads (output_dir, a checkpoint, a state, an adapter), made a local
-absolute path on the driver, or refused with one clear error.
+absolute path on the driver, a checked storage URL where the field takes one, or refused with one clear error.
 
     "runs/a", "~/runs/a"       -> /abs/runs/a, /home/me/runs/a  (as before: taken from the driver's directory)
     "file:///data/run"         -> /data/run                     (a file URL is its path)
-    "s3://bucket/run", "gs://" -> ValueError                    (storage URLs are not supported yet: without this
-                                                                 check the run went to a local folder named "s3:")
+    "s3://bucket/run", "gs://" -> StorageUrl (:func:`storage_path`: save_pretrained, save_state, load_state), or
+                                  ValueError (:func:`local_path`: fields that take local paths only; without this
+                                  check the run went to a local folder named "s3:")
 
-A path must name a filesystem every rank and the driver see (one machine, or a shared mount on a cluster).
+A local path must name a filesystem every rank and the driver see (one machine, or a shared mount on a cluster).
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from raymoe.checkpoint.storage import LOCAL, StorageUrl, check_reachable, storage_url
+
 _URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
+# what takes storage URLs so far (the error of a local-only field says so)
+URL_FIELDS = "save_pretrained, save_state and load_state"
 
 
 def local_path(value: str | os.PathLike[str], field: str) -> Path:
@@ -29,15 +34,28 @@ def local_path(value: str | os.PathLike[str], field: str) -> Path:
     if match is None:
         return Path(text).expanduser().absolute()
     scheme = match.group("scheme").lower()
-    if scheme != "file":
+    if scheme not in LOCAL:
         raise ValueError(
-            f"{field}={text!r} is a {scheme}:// URL; raymoe reads and writes local paths only for now (storage URLs "
-            "are not supported yet): mount the storage on every node and give its path"
+            f"{field}={text!r} is a {scheme}:// URL; {field} takes a local path only for now (storage URLs are taken "
+            f"by {URL_FIELDS}): mount the storage on every node and give its path"
         )
     parts = urlsplit(text)
     if parts.netloc not in ("", "localhost"):
         raise ValueError(f"{field}={text!r}: a file:// URL of host {parts.netloc!r}; give a path on this machine")
     return Path(unquote(parts.path)).absolute()
+
+
+def storage_path(value: str | os.PathLike[str] | StorageUrl, field: str, *, write: bool) -> Path | StorageUrl:
+    """``value`` as a local absolute path (:func:`local_path`, ``file://`` URLs included) or, for another scheme, a
+    checked :class:`StorageUrl` (:func:`~raymoe.checkpoint.storage.storage_url`: known protocol, package installed,
+    writable when ``write``; then :func:`~raymoe.checkpoint.storage.check_reachable`: one request to the storage)."""
+    text = str(value) if isinstance(value, StorageUrl) else os.fspath(value)
+    match = _URL.match(text)
+    if match is None or match.group("scheme").lower() in LOCAL:
+        return local_path(text, field)
+    url = storage_url(text, field, write=write)
+    check_reachable(url, field, write=write)
+    return url
 
 
 def path_flag(flag: str) -> Callable[[str], Path]:

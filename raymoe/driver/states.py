@@ -9,7 +9,8 @@ Format and its checks: :mod:`raymoe.checkpoint.training_state`; the ranks' side:
     load(CheckedState)         every rank reads its shards; the session takes the saved settings and step
 
 A failure raises one error naming the directory and changes nothing: ``path`` keeps its previous state, the
-model its weights and optimizer.
+model its weights and optimizer. ``path`` may be a storage URL (``s3://bucket/run/state``): the state is then a
+generation under it that a commit marker makes visible (:mod:`raymoe.checkpoint.committed`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from raymoe.checkpoint.committed import committed, new_generation, remove_uncommitted
 from raymoe.checkpoint.fingerprint import BaseFingerprint, fingerprint_base
 from raymoe.checkpoint.hub import resolve_config_file
 from raymoe.checkpoint.staging import (
@@ -30,6 +32,7 @@ from raymoe.checkpoint.staging import (
     staging_directory,
     swappable_target,
 )
+from raymoe.checkpoint.storage import Location, StorageUrl
 from raymoe.checkpoint.training_state import (
     StateManifest,
     TrainingStateError,
@@ -38,7 +41,7 @@ from raymoe.checkpoint.training_state import (
     read_manifest,
 )
 from raymoe.driver.fanout import FanOut
-from raymoe.driver.local_paths import local_path
+from raymoe.driver.local_paths import storage_path
 from raymoe.driver.training import TrainingSession
 from raymoe.rank.contract import StateAnswer, StateRequest
 from raymoe.rank.state import load_training_state, save_training_state, wait_for_state_save
@@ -51,10 +54,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class CheckedState:
-    """A training state checked against this model on the driver: its (absolute) directory, its manifest and the
-    optimizer and balance settings it restores."""
+    """A training state checked against this model on the driver: its (absolute) directory (on a storage URL: the
+    committed generation), its manifest and the optimizer and balance settings it restores."""
 
-    directory: Path
+    directory: Location
     manifest: StateManifest
     optimizer: OptimizerConfig
     balance: BalanceConfig
@@ -65,7 +68,7 @@ class TrainingStates:
 
     def __init__(self, spec: LaunchSpec, session: TrainingSession, fanout: FanOut) -> None:
         self.spec, self.session, self.fanout = spec, session, fanout
-        self.saving: Path | None = None  # the target of an asynchronous save still writing
+        self.saving: Location | None = None  # the target of an asynchronous save still writing
         self._base: BaseFingerprint | None = None  # the base checkpoint's, under LoRA: read once, when first needed
 
     def lora_config(self) -> dict[str, Any] | None:
@@ -87,12 +90,13 @@ class TrainingStates:
             self._base = fingerprint_base(spec.source, spec.model_config, weights)
         return self._base
 
-    def save(self, path: str | os.PathLike[str], async_save: bool, extra: Mapping[str, Any] | None) -> Path:
+    def save(
+        self, path: str | os.PathLike[str] | StorageUrl, async_save: bool, extra: Mapping[str, Any] | None
+    ) -> Location:
         optimizer = self.session.require_optimizer("save_state")
         checked_extra = _checked_extra(extra)
         self.wait()
-        target = swappable_target(local_path(path, "save_state path"))
-        recover_interrupted_save(target)
+        target, staging = _save_target(storage_path(path, "save_state path", write=True))
         topology = self.fanout.topology
         manifest = StateManifest(
             model_config=dict(self.spec.model_config),
@@ -106,7 +110,7 @@ class TrainingStates:
             lora=self.lora_config(),
             base=self.base_fingerprint(),
         )
-        request = StateRequest(str(staging_directory(target)), str(target), manifest.to_json(), async_save)
+        request = StateRequest(str(staging), str(target), manifest.to_json(), async_save)
         answers: list[StateAnswer] = self.fanout.every_rank(save_training_state, request)
         if async_save:
             self.saving = target
@@ -114,7 +118,7 @@ class TrainingStates:
             _report_save(answers, target)
         return target
 
-    def wait(self) -> Path | None:
+    def wait(self) -> Location | None:
         target, self.saving = self.saving, None
         if target is None:
             return None
@@ -124,7 +128,7 @@ class TrainingStates:
 
     def check(self, path: str | os.PathLike[str]) -> CheckedState:
         """Everything checkable on the driver (the manifest read once), before any rank reads."""
-        directory = local_path(path, "state path")
+        directory = _committed_state(storage_path(path, "state path", write=False))
         check_lora_state(directory, read_manifest(directory), self.lora_config(), self.base_fingerprint())
         manifest = check_training_state(directory, self.spec.build_meta_model(), self.spec.config.model_type)
         try:
@@ -151,6 +155,40 @@ class TrainingStates:
         return state.manifest
 
 
+def _save_target(target: Location) -> tuple[Location, Location]:
+    """The target of a save and where it stages: beside a local target (swapped in by rename), or a new generation
+    under a URL (committed by its marker); what saves that did not finish left there is removed first."""
+    if isinstance(target, StorageUrl):
+        try:
+            removed = remove_uncommitted(target)
+        except Exception as error:  # what the URL's filesystem raised (OSError, botocore's, a garbled marker)
+            raise CheckpointSaveError(
+                f"save_state({str(target)!r}) saved nothing: cannot use {target}: {error!r}"
+            ) from error
+        for generation in removed:
+            logger.warning("removed %s, left by a save into %s that did not commit", generation, target)
+        return target, new_generation(target)
+    local = swappable_target(target)
+    recover_interrupted_save(local)
+    return local, staging_directory(local)
+
+
+def _committed_state(location: Location) -> Location:
+    """The directory of the state at ``location``: itself, or on a URL the generation its commit marker names."""
+    if not isinstance(location, StorageUrl):
+        return location
+    try:
+        generation = committed(location)
+    except Exception as error:  # what the URL's filesystem raised (OSError, botocore's, a garbled marker)
+        raise TrainingStateError(f"cannot read the training state {location}: {error!r}") from error
+    if generation is None:
+        raise TrainingStateError(
+            f"{location} holds no committed raymoe training state: it has no commit marker (a save that did not "
+            "finish, another kind of directory, or nothing at all)"
+        )
+    return generation
+
+
 def _checked_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
     """``extra`` as a plain dict, or a ``ValueError`` before any rank writes when JSON cannot hold it."""
     if extra is None:
@@ -169,7 +207,7 @@ def _failures(answers: Sequence[StateAnswer]) -> str:
     return "; ".join(dict.fromkeys(a.error for a in answers if a.error is not None))
 
 
-def _report_save(answers: Sequence[StateAnswer], target: Path) -> None:
+def _report_save(answers: Sequence[StateAnswer], target: Location) -> None:
     """Log what a finished save wrote, or raise its failure as one ``CheckpointSaveError``."""
     failures = _failures(answers)
     if failures:

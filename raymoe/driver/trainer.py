@@ -377,7 +377,7 @@ class Trainer:
         self._finish_state_save()
         target = self.states_dir / state_dir_name(self.step)
         extra = {"trainer": position(self.step, self.config, self.train_data.num_sequences)}
-        path = self.model.save_state(target, async_save=self.config.async_save, extra=extra)
+        path = Path(str(self.model.save_state(target, async_save=self.config.async_save, extra=extra)))  # local
         self._last_state = path
         if self.config.async_save:
             self._pending_state = path

@@ -12,7 +12,8 @@ the driver raises it, and the ranks keep their weights and optimizer state::
     rank 0    gather p0, write   gather p1, write fails   gather p2 (dropped) ... gather pN   -> SaveResult(error=...)
     rank 1..  gather p0          gather p1                gather p2           ... gather pN   -> SaveResult()
 
-Any other exception (a failed collective, a bug) is a rank failure as before.
+Any other exception (a failed collective, a bug) is a rank failure as before. A storage URL is written on rank 0's
+disk first and uploaded from there (:mod:`raymoe.checkpoint.upload`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from collections.abc import Iterator
 from torch import Tensor
 
 from raymoe.checkpoint.model_io import save_model
+from raymoe.checkpoint.storage import StorageUrl, location_of
+from raymoe.checkpoint.upload import save_to_url
 from raymoe.models.common.lora import merge_stream
 from raymoe.models.moe.packed import packed_companions, unpacked_stream
 from raymoe.rank.context import LoadedModel, RankContext
@@ -42,10 +45,16 @@ def save_gathered(ctx: RankContext, directory: str, max_shard_size: int) -> Save
     if ctx.rank != 0:
         _join_remaining(tensors)
         return SaveResult()
+    dtype = loaded.precision.checkpoint
+    target = location_of(directory)
     try:
-        files = save_model(
-            model, directory, max_shard_size=max_shard_size, tensors=tensors, dtype=loaded.precision.checkpoint
-        )
+        if isinstance(target, StorageUrl):
+            urls = save_to_url(
+                target,
+                lambda local: save_model(model, local, max_shard_size=max_shard_size, tensors=tensors, dtype=dtype),
+            )
+            return SaveResult(files=tuple(urls))
+        files = save_model(model, target, max_shard_size=max_shard_size, tensors=tensors, dtype=dtype)
     except (OSError, ValueError) as error:
         _join_remaining(tensors)
         cause = str(error) if isinstance(error, OSError) else f"{type(error).__name__}: {error}"

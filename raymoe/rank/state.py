@@ -15,14 +15,20 @@ before any rank reads (:func:`~raymoe.checkpoint.training_state.check_training_s
 fails before DCP's first copy changes nothing, one that fails after it ends the rank group
 (:class:`PartialLoadError`).
 
+On a storage URL (``s3://...``) the staging directory is a new generation under the target, written through DCP's
+fsspec writer, and rank 0 commits it by writing the target's commit marker (:mod:`raymoe.checkpoint.committed`):
+object stores have no rename. A load reads the generation the driver resolved, through DCP's fsspec reader.
+
 DCP's collectives run on a gloo group of their own (:meth:`RankContext.checkpoint_group`), so an
 asynchronous save's thread never shares a group with the training step's collectives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
+import json
 import shutil
 import time
 from concurrent.futures import Future
@@ -34,12 +40,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.fsdp import FSDPModule
 
+from raymoe.checkpoint.committed import commit
 from raymoe.checkpoint.staging import CheckpointSaveError, swap_in, write_json
+from raymoe.checkpoint.storage import StorageUrl, location_of, write_bytes
 from raymoe.checkpoint.training_state import MANIFEST_FILE, MOMENTS, model_entries, model_key, optimizer_key, rng_key
 from raymoe.models.common.decoder import CausalLM
 from raymoe.parallel.sharding import local_tensor
@@ -69,7 +78,7 @@ def save_training_state(ctx: RankContext, request: StateRequest) -> StateAnswer:
     if loaded.pending_save is not None:
         raise RuntimeError("a save is still in flight on this rank; the driver waits for it before the next one")
     state = training_state_dict(ctx, loaded)
-    writer = FileSystemWriter(request.staging, single_file_per_rank=True, sync_files=True)
+    writer = _writer(request.staging)
     start = time.perf_counter()
     if request.async_save:
         future = dcp.async_save(
@@ -87,6 +96,14 @@ def save_training_state(ctx: RankContext, request: StateRequest) -> StateAnswer:
     except (CheckpointException, Exception) as error:
         return _failed(ctx.rank, request, error, start)
     return _commit(ctx.rank, request, start, _bytes_written(metadata, ctx.rank))
+
+
+def _writer(staging: str) -> FileSystemWriter:
+    """DCP's writer of ``staging``: the local one, or fsspec's for a storage URL (no rename on object stores: DCP's
+    ``.metadata`` is written in place, and the commit marker, not a rename, makes the state visible)."""
+    if isinstance(location_of(staging), StorageUrl):
+        return FsspecWriter(staging, single_file_per_rank=True, sync_files=False, overwrite=True)
+    return FileSystemWriter(staging, single_file_per_rank=True, sync_files=True)
 
 
 def wait_for_state_save(ctx: RankContext) -> StateAnswer | None:
@@ -122,22 +139,42 @@ def _finish(rank: int, request: StateRequest, done: Future[Any], start: float) -
 def _commit(rank: int, request: StateRequest, start: float, written: int) -> StateAnswer:
     """Rank 0: the manifest, then the staging directory swapped in whole (other ranks may still be returning from
     DCP: nothing here reads the staging directory but rank 0). Every rank reports the bytes it wrote."""
-    staging = Path(request.staging)
     if rank != 0:
         return StateAnswer(seconds=time.perf_counter() - start, bytes_written=written)
+    staging, target = location_of(request.staging), location_of(request.target)
     try:
-        write_json(staging / MANIFEST_FILE, request.manifest)
-        swap_in(staging, Path(request.target), replaced=("*",))
-    except CheckpointSaveError as error:
-        shutil.rmtree(staging, ignore_errors=True)
-        return StateAnswer(error=str(error), errno=error.errno, seconds=time.perf_counter() - start)
+        if isinstance(staging, StorageUrl) and isinstance(target, StorageUrl):
+            write_bytes(staging.join(MANIFEST_FILE), json.dumps(request.manifest, indent=2).encode())
+            commit(target, staging)
+        elif isinstance(staging, Path) and isinstance(target, Path):
+            write_json(staging / MANIFEST_FILE, request.manifest)
+            swap_in(staging, target, replaced=("*",))
+        else:
+            raise CheckpointSaveError(f"a state staged in {staging} cannot be committed to {target}")
+    except Exception as error:  # a failed swap, or what a storage URL's filesystem raised
+        _remove_staging(request.staging)
+        return StateAnswer(
+            error=str(error) if isinstance(error, CheckpointSaveError) else f"{error!r} while committing {staging}",
+            errno=getattr(error, "errno", None),
+            seconds=time.perf_counter() - start,
+        )
     return StateAnswer(seconds=time.perf_counter() - start, bytes_written=written)
+
+
+def _remove_staging(staging: str) -> None:
+    """Remove what a save that failed wrote (best effort: a URL's next save removes what is left)."""
+    where = location_of(staging)
+    if isinstance(where, StorageUrl):
+        with contextlib.suppress(Exception):  # best effort: the next save removes what is left
+            where.filesystem().rm(where.path, recursive=True)
+    else:
+        shutil.rmtree(where, ignore_errors=True)
 
 
 def _failed(rank: int, request: StateRequest, error: BaseException, start: float) -> StateAnswer:
     """Every rank answers DCP's failure; rank 0 removes the staging directory (the target was never touched)."""
     if rank == 0:
-        shutil.rmtree(request.staging, ignore_errors=True)
+        _remove_staging(request.staging)
     cause, errno = describe_failure(error)
     return StateAnswer(
         error=f"{cause} while writing into {request.staging}", errno=errno, seconds=time.perf_counter() - start
@@ -201,7 +238,7 @@ def load_training_state(
     for part in loaded.parts:
         _reshard(part)
     start = time.perf_counter()
-    reader = _ChunkByChunkReader(directory)
+    reader = _chunk_by_chunk_reader(directory)
     targets = _load_targets(loaded)
     has_rng = rng_key(ctx.rank) in reader.read_metadata().state_dict_metadata
     if has_rng:
@@ -253,6 +290,16 @@ class _ChunkByChunkReader(FileSystemReader):
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
         return done
+
+
+class _ChunkByChunkFsspecReader(FsspecReader, _ChunkByChunkReader):
+    """:class:`_ChunkByChunkReader` of a storage URL (DCP's fsspec reader: its filesystem, the same reads)."""
+
+
+def _chunk_by_chunk_reader(directory: str) -> FileSystemReader:
+    if isinstance(location_of(directory), StorageUrl):
+        return _ChunkByChunkFsspecReader(directory)
+    return _ChunkByChunkReader(directory)
 
 
 def _entries(loaded: LoadedModel) -> dict[str, Tensor]:

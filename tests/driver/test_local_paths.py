@@ -38,16 +38,21 @@ def test_trainer_config_refuses_a_url_and_takes_a_file_url(tmp_path):
     assert not (Path.cwd() / "file:").exists()
 
 
-def test_saves_refuse_a_url_before_any_rank_writes(load_local, tiny_checkpoint, tmp_path):
+def test_saves_refuse_a_bad_url_before_any_rank_writes(load_local, tiny_checkpoint, tmp_path):
     model = load_local(tiny_checkpoint("moe_e8_k2_mha"))
     model.configure_training(lr=1e-3)
     model.train_step(torch.randint(0, 64, (2, 8)))
     for save, field in ((model.save_pretrained, "save_pretrained path"), (model.save_state, "save_state path")):
-        with pytest.raises(ValueError, match=rf"{field}='s3://bucket/x' is a s3:// URL"):
-            save("s3://bucket/x")
+        with pytest.raises(ValueError, match=rf"{field}='nosuch://bucket/x': nosuch:// is not a filesystem fsspec"):
+            save("nosuch://bucket/x")
     assert model.save_pretrained(f"file://{tmp_path}/ckpt") is not None
     assert (tmp_path / "ckpt" / "config.json").is_file()
-    assert not (Path.cwd() / "s3:").exists()
+    assert not (Path.cwd() / "nosuch:").exists()
+
+
+def test_a_local_only_field_says_which_fields_take_urls():
+    with pytest.raises(ValueError, match=r"output_dir takes a local path only for now \(storage URLs are taken by "):
+        local_path("s3://bucket/run", "output_dir")
 
 
 def test_a_path_flag_is_one_usage_error_for_a_url(tmp_path):

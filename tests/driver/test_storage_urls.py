@@ -1,0 +1,139 @@
+"""save_pretrained, save_state and load_state through storage URLs: a local S3-compatible server (moto, via s3fs) and
+``file://``, on a LocalRankGroup (one rank in this process); a two-rank Ray world across layouts is in
+tests/actors/test_storage_urls.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+
+from raymoe.checkpoint.committed import COMMIT_FILE, committed, generations, new_generation
+from raymoe.checkpoint.staging import CheckpointSaveError
+from raymoe.checkpoint.storage import StorageUrl
+from raymoe.checkpoint.training_state import TrainingStateError
+
+CHECKPOINT = "moe_e8_k2_mha"
+
+
+def _trained(load_local, tiny_checkpoint, steps: int):
+    model = load_local(tiny_checkpoint(CHECKPOINT))
+    model.configure_training(lr=1e-2)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        model.train_step(torch.randint(0, 64, (2, 8), generator=generator))
+    return model
+
+
+PROBE = torch.arange(16).reshape(2, 8) % 64
+
+
+@pytest.mark.parametrize("scheme", ["s3", "file"])
+def test_a_state_round_trips_through_a_url(scheme, load_local, tiny_checkpoint, tmp_path, request):
+    root = request.getfixturevalue("s3_bucket") if scheme == "s3" else f"file://{tmp_path}"
+    url = f"{root}/run/state"
+    model = _trained(load_local, tiny_checkpoint, steps=2)
+    saved_logits = model(PROBE)
+    target = model.save_state(url, extra={"epoch": 3})
+    assert str(target) == (url if scheme == "s3" else str(tmp_path / "run" / "state"))
+    model.train_step(torch.randint(0, 64, (2, 8)))
+    assert not torch.allclose(model(PROBE), saved_logits)
+    manifest = model.load_state(url)
+    assert manifest.step == 2 and manifest.extra == {"epoch": 3} and model.step == 2
+    torch.testing.assert_close(model(PROBE), saved_logits, rtol=0, atol=0)
+    model.shutdown()
+    fresh = load_local(tiny_checkpoint(CHECKPOINT))
+    assert fresh.check_state(url).manifest.step == 2
+    fresh.load_state(url)
+    torch.testing.assert_close(fresh(PROBE), saved_logits, rtol=0, atol=0)
+    fresh.train_step(torch.randint(0, 64, (2, 8)))  # the restored AdamW steps on
+    assert fresh.step == 3
+
+
+def test_a_save_interrupted_before_its_marker_leaves_the_previous_state(
+    load_local, tiny_checkpoint, s3_bucket, monkeypatch, caplog
+):
+    url = f"{s3_bucket}/state"
+    target = StorageUrl("s3", url.removeprefix("s3://"))
+    fs = fsspec.filesystem("s3")
+    model = _trained(load_local, tiny_checkpoint, steps=1)
+    step1_logits = model(PROBE)
+    model.save_state(url)
+    first = committed(target)
+    model.train_step(torch.randint(0, 64, (2, 8)))
+
+    def killed_before_the_marker(target, generation):
+        raise ConnectionError("the node went away before the commit marker")
+
+    monkeypatch.setattr("raymoe.rank.state.commit", killed_before_the_marker)
+    with pytest.raises(CheckpointSaveError, match=r"saved nothing: .*ConnectionError.*before the commit marker"):
+        model.save_state(url)
+    monkeypatch.undo()
+    assert committed(target) == first and generations(target) == [first]  # the failed one removed, the old one kept
+    stray = new_generation(target)  # what a save killed mid-write leaves: data, no manifest, no marker
+    fs.pipe_file(stray.join("__0_0.distcp").path, b"partial")
+    assert model.load_state(url).step == 1
+    torch.testing.assert_close(model(PROBE), step1_logits, rtol=0, atol=0)
+    model.train_step(torch.randint(0, 64, (2, 8)))
+    with caplog.at_level("WARNING"):
+        model.save_state(url)
+    assert f"removed {stray}, left by a save into {target} that did not commit" in caplog.text
+    assert generations(target) == [committed(target)] and committed(target) not in (first, stray)
+    assert model.check_state(url).manifest.step == 2
+
+
+def test_a_url_without_a_committed_state_is_a_clear_error(load_local, tiny_checkpoint, s3_bucket):
+    model = _trained(load_local, tiny_checkpoint, steps=1)
+    fs = fsspec.filesystem("s3")
+    fs.pipe_file(f"{s3_bucket.removeprefix('s3://')}/half/g-1/__0_0.distcp", b"x")
+    with pytest.raises(TrainingStateError, match=r"s3://.*/half holds no committed raymoe training state"):
+        model.load_state(f"{s3_bucket}/half")
+    with pytest.raises(ValueError, match=r"state path='s3://.*/absent': it does not exist"):
+        model.load_state(f"{s3_bucket}/absent")
+    assert not any(COMMIT_FILE in str(p) for p in fs.find(s3_bucket.removeprefix("s3://")))
+
+
+def test_save_pretrained_uploads_the_hub_checkpoint(load_local, tiny_checkpoint, s3_bucket, tmp_path):
+    model = _trained(load_local, tiny_checkpoint, steps=1)
+    url = f"{s3_bucket}/ckpt"
+    fs = fsspec.filesystem("s3")
+    local = tmp_path / "local"
+    model.save_pretrained(local, max_shard_size=20_000)
+    files = model.save_pretrained(url, max_shard_size=20_000)
+    shards = sorted(path.name for path in local.glob("*.safetensors"))
+    assert len(shards) > 1 and sorted(f.rsplit("/", 1)[-1] for f in files) == shards
+    downloaded = tmp_path / "downloaded"
+    fs.get(url.removeprefix("s3://") + "/", str(downloaded), recursive=True)
+    assert sorted(p.name for p in downloaded.iterdir()) == sorted(p.name for p in local.iterdir())
+    for path in local.iterdir():
+        assert (downloaded / path.name).read_bytes() == path.read_bytes(), path.name
+    logits = model(PROBE)
+    model.save_pretrained(url)  # one shard now: the old shards and the index go
+    fs.invalidate_cache()
+    names = sorted(Path(p).name for p in fs.ls(url.removeprefix("s3://"), detail=False))
+    assert names == ["config.json", "model.safetensors"]
+    model.shutdown()
+    again = tmp_path / "again"
+    fs.get(url.removeprefix("s3://") + "/", str(again), recursive=True)
+    reloaded = load_local(again)
+    torch.testing.assert_close(reloaded(PROBE), logits)
+
+
+def test_a_state_saved_by_two_ranks_on_s3_loads_on_another_layout(load_on_world, tiny_checkpoint, s3_bucket):
+    """Every rank writes its own shards to the bucket (DCP's fsspec writer), rank 0 commits; another layout reads."""
+    url = f"{s3_bucket}/state"
+    generator = torch.Generator().manual_seed(0)
+    with load_on_world(tiny_checkpoint(CHECKPOINT), {"fsdp_size": 2, "ep_size": 2}) as model:
+        model.configure_training(lr=1e-2)
+        for _ in range(2):
+            model.train_step(torch.randint(0, 64, (2, 8), generator=generator))
+        saved_logits = model(PROBE)
+        model.save_state(url, async_save=True)
+        assert str(model.wait_for_save()) == url
+    data_files = [p for p in fsspec.filesystem("s3").find(url.removeprefix("s3://")) if p.endswith(".distcp")]
+    assert len(data_files) == 2  # one per rank
+    with load_on_world(tiny_checkpoint(CHECKPOINT), {"tp_size": 2}) as model:
+        assert model.load_state(url).step == 2
+        torch.testing.assert_close(model(PROBE), saved_logits, rtol=1e-5, atol=1e-5)
