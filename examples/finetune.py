@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -43,7 +44,7 @@ from actors import PlacementError, RankError
 from raymoe.checkpoint import resolve_config_file
 from raymoe.driver.batch import check_input_ids
 from raymoe.driver.candidate_layouts import masked_ep_plan
-from raymoe.driver.local_paths import path_flag
+from raymoe.driver.local_paths import path_flag, storage_flag
 from raymoe.driver.tokenizer import load_chat_template
 from raymoe.models import ModelConfig, build_model, load_model_config
 from raymoe.models.common.lora import adapter_parameters
@@ -229,9 +230,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     train.add_argument(
         "--output-dir",
-        type=path_flag("--output-dir"),
+        type=storage_flag("--output-dir"),
         default=Path("runs/finetune"),
-        help="checkpoint (or LoRA adapter), metrics, plot (default: %(default)s)",
+        help="checkpoint (or LoRA adapter), metrics, plot: a local path or a storage URL such as s3://bucket/run "
+        "(default: %(default)s)",
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument(
@@ -368,7 +370,9 @@ def layout_of(args: argparse.Namespace) -> dict[str, Any]:
 def prepare_model(args: argparse.Namespace) -> tuple[str, raymoe.TextTokenizer | None]:
     """The checkpoint to load and its tokenizer; the embedded tiny model is built under ``--output-dir``."""
     if args.model is None:
-        path = raymoe.build_tiny_checkpoint(args.output_dir / "base-model", seed=args.seed)
+        local = isinstance(args.output_dir, Path)  # a URL run builds it in a temporary directory of this node
+        base = args.output_dir / "base-model" if local else Path(tempfile.mkdtemp(prefix="raymoe-tiny-"))
+        path = raymoe.build_tiny_checkpoint(base, seed=args.seed)
         return str(path), raymoe.load_tokenizer(path)  # byte-level, with its ChatML template
     if args.dataset.suffix == ".npy":
         return args.model, None  # pre-tokenized data needs no tokenizer

@@ -12,6 +12,7 @@ instance role, fsspec's config): nothing travels through the driver.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +101,7 @@ def _check_protocol(protocol: str, text: str, field: str) -> None:
 
 
 Location = Path | StorageUrl  # a local path, or a place on remote storage
+UserPath = str | os.PathLike[str] | StorageUrl  # what a user may give where a storage URL is taken
 
 
 def location_of(text: str) -> Location:

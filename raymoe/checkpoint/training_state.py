@@ -44,6 +44,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from raymoe.checkpoint.committed import committed
 from raymoe.checkpoint.fingerprint import BaseFingerprint
 from raymoe.checkpoint.storage import Location, StorageUrl, child, is_directory, read_bytes, size_of
 from raymoe.models.common.lora import frozen_base_names
@@ -304,9 +305,29 @@ def _file_problems(directory: Location, metadata: Metadata) -> list[str]:
     return problems
 
 
-def completed_states(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+def resolve_state(location: Location) -> Location:
+    """The directory of the state at ``location``: itself, or on a storage URL the generation its commit marker
+    names (:mod:`raymoe.checkpoint.committed`); a :class:`TrainingStateError` for a URL with no committed state."""
+    if not isinstance(location, StorageUrl):
+        return location
+    try:
+        generation = committed(location)
+    except Exception as error:  # what the URL's filesystem raised (OSError, botocore's, a garbled marker)
+        raise TrainingStateError(f"cannot read the training state {location}: {error!r}") from error
+    if generation is None:
+        raise TrainingStateError(
+            f"{location} holds no committed raymoe training state: it has no commit marker (a save that did not "
+            "finish, another kind of directory, or nothing at all)"
+        )
+    return generation
+
+
+def completed_states(directory: str | os.PathLike[str] | StorageUrl) -> list[tuple[int, Location]]:
     """``(step, path)`` of every complete ``step-<n>`` state under ``directory``, oldest first; staging
-    directories (dot-prefixed) and states without their manifest are not counted."""
+    directories (dot-prefixed) and states without their manifest (on a URL: without a commit marker) are not
+    counted."""
+    if isinstance(directory, StorageUrl):
+        return _committed_states(directory)
     root = Path(directory)
     if not root.is_dir():
         return []
@@ -322,7 +343,22 @@ def _location(directory: str | os.PathLike[str] | StorageUrl) -> Location:
     return directory if isinstance(directory, StorageUrl) else Path(directory)
 
 
-def latest_state(directory: str | os.PathLike[str]) -> Path | None:
+def _committed_states(root: StorageUrl) -> list[tuple[int, Location]]:
+    fs = root.filesystem()
+    fs.invalidate_cache(root.path)
+    try:
+        names = [str(entry).rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(root.path, detail=False)]
+    except FileNotFoundError:
+        return []
+    found: list[tuple[int, Location]] = []
+    for name in names:
+        match = STATE_DIR_PATTERN.match(name)
+        if match and committed(root.join(name)) is not None:
+            found.append((int(match.group(1)), root.join(name)))
+    return sorted(found, key=lambda entry: entry[0])
+
+
+def latest_state(directory: str | os.PathLike[str] | StorageUrl) -> Location | None:
     """The complete state of the highest step under ``directory``, or None."""
     states = completed_states(directory)
     return states[-1][1] if states else None

@@ -36,18 +36,21 @@ def save_to_url(target: StorageUrl, write: Callable[[Path], list[Path]]) -> list
     return [str(target.join(path.name)) for path in weights]
 
 
-def upload_directory(local: Path, target: StorageUrl) -> None:
-    """Every file of the hub checkpoint ``local`` under ``target``: safetensors shards first (in parallel), then the
-    other files; then the weight files of an earlier checkpoint there that this one does not have are removed."""
+def upload_directory(local: Path, target: StorageUrl, *, replace_weights: bool = True) -> None:
+    """Every file under ``local`` to the same place under ``target``: safetensors shards first (in parallel), then
+    the other files; then (``replace_weights``: ``local`` is a whole checkpoint) the weight files of an earlier
+    checkpoint there that this one does not have are removed."""
     fs = target.filesystem()
-    files = sorted(path for path in local.iterdir() if path.is_file())
+    files = sorted(path for path in local.rglob("*") if path.is_file())
     shards = [path for path in files if path.suffix == ".safetensors"]
     rest = [path for path in files if path.suffix != ".safetensors"]
     try:
         for batch in (shards, rest):
             if batch:
-                fs.put([str(path) for path in batch], [target.join(path.name).path for path in batch])
-        _remove_stale_weights(target, {path.name for path in files})
+                remote = [target.join(*path.relative_to(local).parts).path for path in batch]
+                fs.put([str(path) for path in batch], remote)
+        if replace_weights:
+            _remove_stale_weights(target, {path.name for path in files})
     except Exception as error:  # filesystem packages raise their own types besides OSError
         raise CheckpointSaveError(
             f"could not upload the checkpoint to {target}: {error!r}; it may hold old and new files side by side "

@@ -13,8 +13,10 @@ from pathlib import Path
 from torch import Tensor
 
 from raymoe.checkpoint.adapter import write_adapter
+from raymoe.checkpoint.storage import StorageUrl
+from raymoe.checkpoint.upload import save_to_url
 from raymoe.driver.fanout import FanOut
-from raymoe.driver.local_paths import local_path
+from raymoe.driver.local_paths import storage_path
 from raymoe.rank.adapters import gather_adapters
 from raymoe.rank.contract import AdapterTensors
 from raymoe.spec.launch import LaunchSpec
@@ -43,12 +45,16 @@ def adapter_tensors(fanout: FanOut, spec: LaunchSpec) -> dict[str, Tensor]:
     return tensors
 
 
-def save_adapter(fanout: FanOut, spec: LaunchSpec, path: str | os.PathLike[str]) -> list[Path]:
-    """Write the adapters as a PEFT directory at ``path`` (on the driver); the files written."""
+def save_adapter(fanout: FanOut, spec: LaunchSpec, path: str | os.PathLike[str] | StorageUrl) -> list[Path] | list[str]:
+    """Write the adapters as a PEFT directory at ``path`` (on the driver; a storage URL is written locally, then
+    uploaded); the files written."""
     lora = require_lora(spec)
-    directory = local_path(path, "save_adapter path")
+    directory = storage_path(path, "save_adapter path", write=True)
     tensors = adapter_tensors(fanout, spec)
-    return write_adapter(directory, lora.config.to_peft_dict(spec.source), lora.targets, tensors)
+    config = lora.config.to_peft_dict(spec.source)
+    if isinstance(directory, StorageUrl):
+        return save_to_url(directory, lambda local: write_adapter(local, config, lora.targets, tensors))
+    return write_adapter(directory, config, lora.targets, tensors)
 
 
 def describe_adapters(spec: LaunchSpec, trainable: int, frozen: int, trainable_bytes: int, frozen_bytes: int) -> str:

@@ -18,7 +18,6 @@ this model: ``shutdown`` ends the ranks) or borrows a world the user started (``
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -26,7 +25,7 @@ from typing import Any
 
 from torch import Tensor
 
-from raymoe.checkpoint.storage import StorageUrl
+from raymoe.checkpoint.storage import StorageUrl, UserPath
 from raymoe.checkpoint.training_state import StateManifest
 from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE
 from raymoe.driver.adapters import save_adapter
@@ -246,9 +245,7 @@ class DistributedModel(LoadedView, ReinforcementMethods):
 
     # --- checkpoints and training states ----------------------------------------------------------
 
-    def save_pretrained(
-        self, path: str | os.PathLike[str], max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
-    ) -> list[Path] | list[str]:
+    def save_pretrained(self, path: UserPath, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> list[Path] | list[str]:
         """Gather the weights into a hub-layout checkpoint at ``path`` (written by rank 0, on its node; a storage URL
         such as ``s3://bucket/ckpt`` is uploaded from there, :mod:`raymoe.checkpoint.upload`).
 
@@ -259,7 +256,7 @@ class DistributedModel(LoadedView, ReinforcementMethods):
         loaded, weights and optimizer state."""
         return save_pretrained(self._fanout, path, max_shard_size)
 
-    def save_adapter(self, path: str | os.PathLike[str]) -> list[Path]:
+    def save_adapter(self, path: UserPath) -> list[Path] | list[str]:
         """Write the LoRA adapters as a PEFT directory at ``path`` (``adapter_config.json``,
         ``adapter_model.safetensors``: the keys and shapes PEFT gives the transformers model of this family), so
         ``peft.PeftModel.from_pretrained(transformers_model, path)`` and ``from_pretrained(..., lora=path)`` load
@@ -267,7 +264,7 @@ class DistributedModel(LoadedView, ReinforcementMethods):
         return save_adapter(self._fanout, self._spec, path)
 
     def save_state(
-        self, path: str | os.PathLike[str], *, async_save: bool = False, extra: Mapping[str, Any] | None = None
+        self, path: UserPath, *, async_save: bool = False, extra: Mapping[str, Any] | None = None
     ) -> Path | StorageUrl:
         """Write the whole training state to the directory ``path``: model shards, AdamW moments and step counts,
         the router selection biases (bias balancing), every rank's RNG, :attr:`step`, the optimizer and balance
@@ -293,14 +290,14 @@ class DistributedModel(LoadedView, ReinforcementMethods):
         none was in flight. Raises its failure (``CheckpointSaveError``); the previous state is then intact."""
         return self._states.wait()
 
-    def check_state(self, path: str | os.PathLike[str]) -> CheckedState:
+    def check_state(self, path: UserPath) -> CheckedState:
         """Check a :meth:`save_state` directory against this model on the driver, reading nothing on the ranks:
         manifest, model type, every tensor name and shape, every data file present and long enough. A
         :class:`~raymoe.checkpoint.training_state.TrainingStateError` names the directory and the problem; the
         result (``.manifest``: ``step``, ``extra``) can be passed to :meth:`load_state`."""
         return self._states.check(path)
 
-    def load_state(self, path: str | os.PathLike[str] | CheckedState) -> StateManifest:
+    def load_state(self, path: UserPath | CheckedState) -> StateManifest:
         """Restore a :meth:`save_state` directory into this handle, whatever layout and world size saved it.
 
         Checked on the driver first (:meth:`check_state`, unless ``path`` is its result): a

@@ -11,13 +11,16 @@ import os
 from pathlib import Path
 
 from raymoe.checkpoint.staging import CheckpointSaveError
+from raymoe.checkpoint.storage import StorageUrl
 from raymoe.driver.fanout import FanOut
 from raymoe.driver.local_paths import storage_path
 from raymoe.rank.contract import SaveResult
 from raymoe.rank.save import save_gathered
 
 
-def save_pretrained(fanout: FanOut, path: str | os.PathLike[str], max_shard_size: int) -> list[Path] | list[str]:
+def save_pretrained(
+    fanout: FanOut, path: str | os.PathLike[str] | StorageUrl, max_shard_size: int
+) -> list[Path] | list[str]:
     """Gather the weights into a hub-layout checkpoint at ``path`` (absolute on the driver, or a storage URL); the
     weight files written (their URLs, for a URL)."""
     directory = storage_path(path, "save_pretrained path", write=True)

@@ -14,7 +14,8 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
+
+from raymoe.checkpoint.storage import Location
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +24,7 @@ class TrainingInterrupted(KeyboardInterrupt):
     """``fit()`` stopped at a step boundary after SIGINT / SIGTERM; ``step`` and ``state`` (None: none saved) say
     where it stopped and what a ``resume_from`` run continues from."""
 
-    def __init__(self, message: str, step: int, state: Path | None) -> None:
+    def __init__(self, message: str, step: int, state: Location | None) -> None:
         super().__init__(message)
         self.step = step
         self.state = state

@@ -23,7 +23,7 @@ from raymoe.checkpoint.storage import LOCAL, StorageUrl, check_reachable, storag
 
 _URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
 # what takes storage URLs so far (the error of a local-only field says so)
-URL_FIELDS = "save_pretrained, save_state and load_state"
+URL_FIELDS = "save_pretrained, save_adapter, save_state, load_state and TrainerConfig's output_dir and resume_from"
 
 
 def local_path(value: str | os.PathLike[str], field: str) -> Path:
@@ -65,6 +65,19 @@ def path_flag(flag: str) -> Callable[[str], Path]:
     def parse(text: str) -> Path:
         try:
             return local_path(text, flag)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return parse
+
+
+def storage_flag(flag: str) -> Callable[[str], Path | StorageUrl]:
+    """:func:`path_flag` of a flag that takes a storage URL too (``finetune.py --output-dir s3://bucket/run``):
+    :func:`storage_path` for writing, its error the flag's one usage error."""
+
+    def parse(text: str) -> Path | StorageUrl:
+        try:
+            return storage_path(text, flag, write=True)
         except ValueError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
 

@@ -20,15 +20,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
+
+from raymoe.checkpoint.storage import Location
 
 
 class TrainingFailed(RuntimeError):
     """``fit()`` gave up: ranks failed once more than ``max_failures`` allows; ``state`` is the newest state (None:
     none was saved), which a ``resume_from="latest"`` run continues from; ``cause`` the last failure's first line."""
 
-    def __init__(self, message: str, state: Path | None, cause: str = "") -> None:
+    def __init__(self, message: str, state: Location | None, cause: str = "") -> None:
         super().__init__(message)
         self.state = state
         self.cause = cause
@@ -51,7 +52,7 @@ class FailurePolicy:
             return Decision.RAISE
         return Decision.RESTART
 
-    def give_up(self, error: Exception, ranks_alive: bool, restarts: int, newest_state: Path | None) -> Exception:
+    def give_up(self, error: Exception, ranks_alive: bool, restarts: int, newest_state: Location | None) -> Exception:
         """What ``fit`` raises: the error itself, or :class:`TrainingFailed` once restarts were allowed."""
         if self.max_failures == 0 or ranks_alive:
             return error
@@ -82,7 +83,7 @@ class RestartRecord:
     restart: int
     step: int  # the step the run went on from
     failed_at_step: int
-    resumed_from: Path | None
+    resumed_from: Location | None
     cause: str
     failed_at: float = field(default_factory=time.monotonic)
 

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from raymoe.checkpoint.committed import committed, new_generation, remove_uncommitted
+from raymoe.checkpoint.committed import new_generation, remove_uncommitted
 from raymoe.checkpoint.fingerprint import BaseFingerprint, fingerprint_base
 from raymoe.checkpoint.hub import resolve_config_file
 from raymoe.checkpoint.staging import (
@@ -39,6 +39,7 @@ from raymoe.checkpoint.training_state import (
     check_lora_state,
     check_training_state,
     read_manifest,
+    resolve_state,
 )
 from raymoe.driver.fanout import FanOut
 from raymoe.driver.local_paths import storage_path
@@ -126,9 +127,9 @@ class TrainingStates:
         _report_save(answers, target)
         return target
 
-    def check(self, path: str | os.PathLike[str]) -> CheckedState:
+    def check(self, path: str | os.PathLike[str] | StorageUrl) -> CheckedState:
         """Everything checkable on the driver (the manifest read once), before any rank reads."""
-        directory = _committed_state(storage_path(path, "state path", write=False))
+        directory = resolve_state(storage_path(path, "state path", write=False))
         check_lora_state(directory, read_manifest(directory), self.lora_config(), self.base_fingerprint())
         manifest = check_training_state(directory, self.spec.build_meta_model(), self.spec.config.model_type)
         try:
@@ -171,22 +172,6 @@ def _save_target(target: Location) -> tuple[Location, Location]:
     local = swappable_target(target)
     recover_interrupted_save(local)
     return local, staging_directory(local)
-
-
-def _committed_state(location: Location) -> Location:
-    """The directory of the state at ``location``: itself, or on a URL the generation its commit marker names."""
-    if not isinstance(location, StorageUrl):
-        return location
-    try:
-        generation = committed(location)
-    except Exception as error:  # what the URL's filesystem raised (OSError, botocore's, a garbled marker)
-        raise TrainingStateError(f"cannot read the training state {location}: {error!r}") from error
-    if generation is None:
-        raise TrainingStateError(
-            f"{location} holds no committed raymoe training state: it has no commit marker (a save that did not "
-            "finish, another kind of directory, or nothing at all)"
-        )
-    return generation
 
 
 def _checked_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from raymoe.checkpoint.storage import Location
+
 
 def step_record(step: int, metrics: dict[str, Any], elapsed_s: float) -> dict[str, Any]:
     """The metrics record of ``step`` from ``train_step``'s answer and its wall time on the driver."""
@@ -43,13 +45,13 @@ class TrainSummary:
     eval_loss_after: float | None
     num_tokens: int
     train_time_s: float
-    checkpoint: Path | None  # the hub checkpoint this fit wrote last (a LoRA model's merged weights)
+    checkpoint: Location | None  # the hub checkpoint this fit wrote last (a LoRA model's merged weights)
     metrics_file: Path
     plot_file: Path | None
-    resumed_from: Path | None = None  # the state this Trainer started from
-    state: Path | None = None  # the last training state this fit wrote
+    resumed_from: Location | None = None  # the state this Trainer started from
+    state: Location | None = None  # the last training state this fit wrote
     restarts: int = 0  # how often fit() replaced failed ranks and went on (TrainerConfig.max_failures)
-    adapter: Path | None = None  # the PEFT adapter directory this fit wrote last (TrainerConfig.save_adapter)
+    adapter: Location | None = None  # the PEFT adapter directory this fit wrote last (TrainerConfig.save_adapter)
     history: list[dict[str, Any]] = field(repr=False, default_factory=list)
 
     @property

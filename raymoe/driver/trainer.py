@@ -39,11 +39,12 @@ import numpy as np
 from torch import Tensor
 from tqdm import tqdm
 
+from raymoe.checkpoint.storage import Location, child
 from raymoe.checkpoint.training_state import state_dir_name
 from raymoe.driver.batch import check_input_ids
 from raymoe.driver.batch_order import batch_indices
 from raymoe.driver.interrupts import StopRequests, TrainingInterrupted
-from raymoe.driver.local_paths import local_path
+from raymoe.driver.local_paths import storage_path
 from raymoe.driver.metrics import MetricsLog, plot_metrics
 from raymoe.driver.packing import PackedData
 from raymoe.driver.recovery import Decision, FailurePolicy, RestartRecord, cause_of
@@ -54,7 +55,6 @@ from raymoe.driver.tokenizer import TextTokenizer
 from raymoe.driver.trackers import Trackers
 from raymoe.driver.trainer_config import TrainerConfig, check_int
 from raymoe.models.common.loss import IGNORE_INDEX
-from raymoe.spec.shared_paths import write_path
 
 if TYPE_CHECKING:
     from raymoe.driver.handle import DistributedModel
@@ -89,12 +89,12 @@ class Trainer:
             )
         self.schedule = config.schedule()
         self.run = config.run_directory()
-        self.output_dir, self.states_dir = self.run.root, self.run.states
+        self.output_dir, self.states_dir = self.run.where, self.run.states
         self.policy = FailurePolicy(config.max_failures)
         # Where to start, checked against what output_dir holds and what the state saved, before any rank call.
         start = config.check_output_dir()
         checked = model.check_state(start) if start is not None else None
-        model.check_shared([write_path("output_dir", self.output_dir)])  # the ranks write state shards there
+        model.check_shared(self.run.shared_paths())  # the ranks write state shards there
         self.step = resume_step(checked, config, self.train_data.num_sequences) if checked is not None else 0
         self.resumed_from = start
         if start is None and config.resume_from == LATEST:
@@ -106,8 +106,8 @@ class Trainer:
                 self.states_dir,
                 f" (replacing what the earlier run left: {', '.join(held)})" if held else "",
             )
-        self._pending_state: Path | None = None  # an asynchronous save_state still writing
-        self._last_state: Path | None = None  # the newest state this fit() saved
+        self._pending_state: Location | None = None  # an asynchronous save_state still writing
+        self._last_state: Location | None = None  # the newest state this fit() saved
         self.restarts = 0
         self._stops = StopRequests(lambda: self.step, config.save_state_on_interrupt)
         self._restart_record: RestartRecord | None = None  # written once the first step after a restart finished
@@ -122,6 +122,7 @@ class Trainer:
             model.use_training_config(config.optimizer(), config.balance_options())
         self._batches = self._batches_from(self.step)
         kept = self.step if checked is not None else None  # a resumed run keeps its records (and tracker runs)
+        self.run.open_mirror(resumed=kept is not None)
         self.trackers = Trackers(config, self.run, resumed_at=kept)
         self.log = MetricsLog(self.run.metrics, keep_through_step=kept, on_append=self.trackers.log)
 
@@ -183,6 +184,7 @@ class Trainer:
             self._finish_state_save()
             plot = plot_metrics(self.log.records, self.run.plot) if self.log.records else None
             self.trackers.log_image(plot, self.step)
+        self.run.publish()
         run = [r for r in self.log.records if "loss" in r and r["step"] > begin]
         evals = [r["eval_loss"] for r in run if "eval_loss" in r]
         return TrainSummary(
@@ -203,11 +205,11 @@ class Trainer:
             history=list(self.log.records),
         )
 
-    def _run_steps(self, count: int) -> tuple[float, tuple[Path | None, Path | None]]:
+    def _run_steps(self, count: int) -> tuple[float, tuple[Location | None, Location | None]]:
         """``count`` steps under the progress bar (which counts from the step the run is at, to ``steps``);
         returns their wall time and the last periodic save (checkpoint, adapter)."""
         train_time: float = 0.0
-        saved: tuple[Path | None, Path | None] = (None, None)
+        saved: tuple[Location | None, Location | None] = (None, None)
         total = max(self.config.steps, self.step + count)
         progress = {"desc": "train", "unit": "step", "disable": not self.config.progress, "mininterval": 0.5}
         target = self.step + count
@@ -346,43 +348,41 @@ class Trainer:
                 continue
             yield chunk.with_blank_rows(least - chunk.num_sequences)
 
-    def save(self, path: str | Path | None = None) -> Path:
+    def save(self, path: str | Path | Location | None = None) -> Location:
         """Write the model (hub layout, by rank 0 on its node; a LoRA model merged) and the tokenizer; default
         ``output_dir/checkpoint``."""
         return self._write(self.model.save_pretrained, path if path is not None else self.run.checkpoint)
 
-    def save_adapter(self, path: str | Path | None = None) -> Path:
+    def save_adapter(self, path: str | Path | Location | None = None) -> Location:
         """Write a LoRA model's adapters (a PEFT directory, from the driver) and the tokenizer; default
         ``output_dir/adapter``."""
         return self._write(self.model.save_adapter, path if path is not None else self.run.adapter)
 
-    def _write(self, save: Callable[[Path], object], path: str | Path) -> Path:
-        target = local_path(path, "save path")
-        save(target)
-        if self.tokenizer is not None:
-            self.tokenizer.save(target)
+    def _write(self, save: Callable[[Location], object], path: str | Path | Location) -> Location:
+        target = storage_path(path, "save path", write=True)
+        self.run.write(save, target, self.tokenizer)
         return target
 
-    def _save_due_files(self) -> tuple[Path | None, Path | None]:
+    def _save_due_files(self) -> tuple[Location | None, Location | None]:
         """What ``save_every`` and the end write: the checkpoint and/or the adapter, as the config says."""
         checkpoint = self.save() if self.config.save_checkpoint else None
         adapter = self.save_adapter() if self.config.save_adapter else None
         return checkpoint, adapter
 
-    def save_state(self) -> Path:
+    def save_state(self) -> Location:
         """Write the whole training state and this Trainer's position to ``output_dir/states/step-<n>`` (what
         ``resume_from`` reads); then remove all but the newest ``keep_last`` states. With ``async_save`` it
         returns while the state is still being written: the next save and the end of :meth:`fit` wait for it
         (and prune after it), as does the handle's ``shutdown``."""
         self._finish_state_save()
-        target = self.states_dir / state_dir_name(self.step)
+        target = child(self.states_dir, state_dir_name(self.step))
         extra = {"trainer": position(self.step, self.config, self.train_data.num_sequences)}
-        path = Path(str(self.model.save_state(target, async_save=self.config.async_save, extra=extra)))  # local
+        path = self.model.save_state(target, async_save=self.config.async_save, extra=extra)
         self._last_state = path
         if self.config.async_save:
             self._pending_state = path
         else:
-            self.run.prune_states(self.config.keep_last, path)
+            self.run.after_state_save(self.config.keep_last, path)
         return path
 
     def _finish_state_save(self) -> None:
@@ -390,7 +390,7 @@ class Trainer:
         path, self._pending_state = self._pending_state, None
         if path is not None:
             self.model.wait_for_save()
-            self.run.prune_states(self.config.keep_last, path)
+            self.run.after_state_save(self.config.keep_last, path)
 
     @property
     def history(self) -> list[dict[str, Any]]:

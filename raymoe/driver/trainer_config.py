@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from raymoe.driver.local_paths import local_path
+from raymoe.checkpoint.storage import Location, StorageUrl
+from raymoe.driver.local_paths import local_path, storage_path
 from raymoe.driver.run_directory import LATEST, RunDirectory
 from raymoe.driver.schedule import WarmupCosine
 from raymoe.driver.trackers.names import resolve_report_to
@@ -59,7 +60,7 @@ class TrainerConfig:
     ``output_dir/runs``); ``run_name``: the run's name in the trackers (None: ``output_dir``'s name).
     """
 
-    output_dir: str | Path
+    output_dir: str | Path | StorageUrl  # a local path, a file:// URL or a storage URL (s3://bucket/run)
     steps: int = 100
     global_batch_size: int = 8
     gradient_accumulation_steps: int = 1
@@ -84,7 +85,7 @@ class TrainerConfig:
     save_state_every: int | None = None
     keep_last: int | None = 2
     async_save: bool = False
-    resume_from: str | os.PathLike[str] | None = None
+    resume_from: str | os.PathLike[str] | StorageUrl | None = None
     overwrite: bool = False
     max_failures: int = 0
     save_state_on_interrupt: bool = True
@@ -116,7 +117,7 @@ class TrainerConfig:
                 "nothing, set save_at_end=False and save_every=None"
             )
         resume = self.resume_from
-        if resume is not None and (not isinstance(resume, str | os.PathLike) or not str(resume)):
+        if resume is not None and (not isinstance(resume, str | os.PathLike | StorageUrl) or not str(resume)):
             raise ValueError(
                 f"TrainerConfig: resume_from={resume!r} must be None, {LATEST!r} or the path of a training state"
             )
@@ -133,19 +134,19 @@ class TrainerConfig:
         self.optimizer()
 
     def _check_paths(self) -> None:
-        """``output_dir``, ``logging_dir`` and a ``resume_from`` path are local paths (``file://`` URLs are taken as
-        their path; another URL is a ``ValueError`` here, not a local folder named ``s3:``)."""
-        if not isinstance(self.output_dir, str | os.PathLike) or not str(self.output_dir):
+        """``output_dir`` and a ``resume_from`` path are local paths (``file://`` URLs are taken as their path) or
+        storage URLs (checked and probed: :func:`~raymoe.driver.local_paths.storage_path`); ``logging_dir`` is a
+        local path. A bad one is a ``ValueError`` here, never a local folder named ``s3:``."""
+        if not isinstance(self.output_dir, str | os.PathLike | StorageUrl) or not str(self.output_dir):
             raise ValueError(f"TrainerConfig: output_dir={self.output_dir!r} must be a directory path")
-        paths = {"output_dir": self.output_dir, "logging_dir": self.logging_dir}
-        if self.resume_from is not None and self.resume_from != LATEST:
-            paths["resume_from"] = self.resume_from
-        for name, value in paths.items():
-            if value is not None:
-                try:
-                    local_path(value, name)
-                except ValueError as error:
-                    raise ValueError(f"TrainerConfig: {error}") from None
+        try:
+            storage_path(self.output_dir, "output_dir", write=True)
+            if self.resume_from is not None and self.resume_from != LATEST:
+                storage_path(self.resume_from, "resume_from", write=False)
+            if self.logging_dir is not None:
+                local_path(self.logging_dir, "logging_dir")
+        except ValueError as error:
+            raise ValueError(f"TrainerConfig: {error}") from None
 
     def balance_options(self) -> BalanceOptions:
         return BalanceOptions(self.balance, self.router_aux_loss_coef, self.bias_update_rate, self.capacity_factor)
@@ -168,7 +169,7 @@ class TrainerConfig:
     def run_directory(self) -> RunDirectory:
         return RunDirectory(self.output_dir)
 
-    def check_output_dir(self) -> Path | None:
+    def check_output_dir(self) -> Location | None:
         """What ``output_dir`` holds, against ``resume_from`` and ``overwrite``, on the driver and without writing:
         the state a run resumes from (None: it starts at step 0). A ``ValueError`` when ``output_dir`` holds an
         earlier run that neither is given for, or when the ``resume_from`` path is not a complete state

@@ -44,9 +44,9 @@ def test_an_earlier_run_is_named_and_refused(tmp_path):
 def test_keep_last_prunes_older_states_but_never_the_one_written(tmp_path):
     run = RunDirectory(tmp_path)
     states = [fake_state(tmp_path, step) for step in (2, 4, 6)]
-    run.prune_states(2, written=states[-1])
+    run.after_state_save(2, written=states[-1])
     assert sorted(p.name for p in run.states.iterdir()) == ["step-00000004", "step-00000006"]
-    run.prune_states(None, written=states[-1])  # None keeps all
+    run.after_state_save(None, written=states[-1])  # None keeps all
     assert len(list(run.states.iterdir())) == 2
     run.clear_states()
     assert not run.states.exists()

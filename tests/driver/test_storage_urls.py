@@ -137,3 +137,41 @@ def test_a_state_saved_by_two_ranks_on_s3_loads_on_another_layout(load_on_world,
     with load_on_world(tiny_checkpoint(CHECKPOINT), {"tp_size": 2}) as model:
         assert model.load_state(url).step == 2
         torch.testing.assert_close(model(PROBE), saved_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_trainer_runs_and_resumes_on_an_s3_output_dir(load_local, s3_bucket, tmp_path):
+    """Metrics, states (keep_last), the checkpoint and the tokenizer on the bucket; a resumed run continues there,
+    each step once in its metrics, as a local run's (same losses)."""
+    import json
+
+    import raymoe
+    from raymoe import PackedData, Trainer, TrainerConfig
+
+    tiny = raymoe.build_tiny_checkpoint(tmp_path / "tiny")
+    data = PackedData.from_rows(torch.randint(0, 256, (16, 16), generator=torch.Generator().manual_seed(3)))
+    options = dict(global_batch_size=4, lr=1e-3, warmup_steps=1, save_state_every=2, keep_last=1, progress=False)
+    url, fs = f"{s3_bucket}/run", fsspec.filesystem("s3")
+
+    def metrics(where: str) -> list[dict]:
+        return [json.loads(line) for line in fs.cat_file(f"{where}/metrics.jsonl").decode().splitlines()]
+
+    with load_local(tiny) as model:
+        summary = Trainer(model, data, TrainerConfig(output_dir=url, steps=6, **options)).fit(4)  # then stopped
+    assert summary.checkpoint == StorageUrl("s3", f"{url.removeprefix('s3://')}/checkpoint")
+    root = url.removeprefix("s3://")
+    assert [r["step"] for r in metrics(root) if "loss" in r] == [1, 2, 3, 4]
+    assert fs.exists(f"{root}/metrics.png") and fs.exists(f"{root}/checkpoint/model.safetensors")
+    fs.invalidate_cache()
+    assert sorted(Path(p).name for p in fs.ls(f"{root}/states", detail=False)) == ["step-00000004"]  # keep_last=1
+    with load_local(tiny) as model:
+        resumed = Trainer(model, data, TrainerConfig(output_dir=url, steps=6, resume_from="latest", **options))
+        assert resumed.step == 4
+        resumed.fit()
+    steps = [r for r in metrics(root) if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    with load_local(tiny) as model:  # the same run on a local output_dir: the same losses
+        Trainer(model, data, TrainerConfig(output_dir=tmp_path / "local", steps=6, **options)).fit()
+    local = [json.loads(line) for line in (tmp_path / "local" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in steps] == pytest.approx([r["loss"] for r in local if "loss" in r], rel=1e-5)
+    with pytest.raises(ValueError, match=rf"output_dir {url} holds an earlier run \(a non-empty metrics.jsonl, a "):
+        TrainerConfig(output_dir=url, steps=6, **options).check_output_dir()

@@ -536,10 +536,33 @@ def test_ep_mode_masking_loads_with_the_models_own_masked_plan(finetune, tmp_pat
     assert "CFG-4" in capsys.readouterr().err
 
 
-def test_output_dir_urls(finetune, tmp_path, capsys):
-    """--output-dir file:///x is /x; s3://... is one error line (Path would have made it a local folder 's3:')."""
+def test_output_dir_urls(finetune, tmp_path, capsys, s3_bucket):
+    """--output-dir file:///x is /x; s3://bucket/run a checked storage URL; an unknown scheme is one error line (Path
+    would have made it a local folder 's3:')."""
+    from raymoe.checkpoint.storage import StorageUrl
+
     assert finetune.parse_args(["--output-dir", f"file://{tmp_path}/run"]).output_dir == tmp_path / "run"
+    bucket = s3_bucket.removeprefix("s3://")
+    assert finetune.parse_args(["--output-dir", f"{s3_bucket}/run"]).output_dir == StorageUrl("s3", f"{bucket}/run")
     with pytest.raises(SystemExit) as exit_code:
-        finetune.parse_args(["--output-dir", "s3://bucket/run"])
+        finetune.parse_args(["--output-dir", "nosuch://bucket/run"])
     assert exit_code.value.code == 2
-    assert "--output-dir='s3://bucket/run' is a s3:// URL" in capsys.readouterr().err
+    assert "--output-dir='nosuch://bucket/run': nosuch:// is not a filesystem fsspec knows" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_run_writes_its_output_dir_to_s3(ray_session, finetune, s3_bucket, capsys):
+    """The embedded model fine-tuned with --output-dir s3://...: checkpoint, tokenizer, metrics, plot and the state
+    on the bucket, written by the ranks and the driver; nothing under a local folder named 's3:'."""
+    import fsspec
+
+    argv = ["--steps", "2", "--seq-len", "32", "--eval-every", "0", "--save-state-every", "2", "--no-progress"]
+    assert finetune.main([*argv, "--output-dir", f"{s3_bucket}/run"]) == 0
+    fs, root = fsspec.filesystem("s3"), f"{s3_bucket.removeprefix('s3://')}/run"
+    fs.invalidate_cache()
+    for name in ("metrics.jsonl", "metrics.png", "checkpoint/model.safetensors", "checkpoint/tokenizer.json"):
+        assert fs.exists(f"{root}/{name}"), name
+    assert fs.exists(f"{root}/states/step-00000002/raymoe_commit.json")
+    steps = [json.loads(line) for line in fs.cat_file(f"{root}/metrics.jsonl").decode().splitlines()]
+    assert [r["step"] for r in steps if "loss" in r] == [1, 2]
+    assert not (Path.cwd() / "s3:").exists()

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from raymoe.driver.local_paths import local_path
-from raymoe.driver.run_directory import RunDirectory
 from raymoe.driver.trackers.logged_values import PER_LAYER, run_params, run_texts, step_scalars
 from raymoe.driver.trackers.mlflow_run import MlflowRun
 from raymoe.driver.trackers.protocol import RunStart, Tracker
@@ -38,6 +37,7 @@ from raymoe.driver.trackers.wandb_run import WandbRun
 
 if TYPE_CHECKING:
     from raymoe.driver.handle import DistributedModel
+    from raymoe.driver.run_directory import RunDirectory
     from raymoe.driver.trainer_config import TrainerConfig
 
 OPENERS: dict[str, Callable[[RunStart], Tracker]] = {
@@ -55,7 +55,7 @@ class Trackers:
     def __init__(self, config: TrainerConfig, run: RunDirectory, *, resumed_at: int | None) -> None:
         self.config = config
         self.names = config.trackers
-        self.run_name = config.run_name or run.root.name
+        self.run_name = config.run_name or run.where.name
         self.output_dir = run.root
         self.logging_dir = local_path(config.logging_dir, "logging_dir") if config.logging_dir else run.root / "runs"
         self.path = run.root / TRACKERS_FILE
