@@ -38,6 +38,7 @@ from raymoe.checkpoint.training_state import TrainingStateError
 from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE
 from raymoe.driver.adapter_export import export_adapter, export_merged
 from raymoe.driver.candidate_layouts import masked_ep_plan
+from raymoe.driver.local_paths import path_flag
 from raymoe.driver.memory_plan import MemoryPlan
 from raymoe.driver.plan import plan_memory
 from raymoe.models.registry import build_model, parse_model_config
@@ -68,8 +69,18 @@ def build_parser() -> argparse.ArgumentParser:
         "(config.json + safetensors) that transformers and raymoe.from_pretrained load. Runs in this process, "
         "reading one parameter at a time; files of OUT_DIR the export does not write (a tokenizer) are kept.",
     )
-    export.add_argument("state_dir", metavar="STATE_DIR", help="the training state directory (with raymoe_state.json)")
-    export.add_argument("out_dir", metavar="OUT_DIR", help="the checkpoint directory to write (created or replaced)")
+    export.add_argument(
+        "state_dir",
+        metavar="STATE_DIR",
+        type=path_flag("STATE_DIR"),
+        help="the training state directory (with raymoe_state.json)",
+    )
+    export.add_argument(
+        "out_dir",
+        metavar="OUT_DIR",
+        type=path_flag("OUT_DIR"),
+        help="the checkpoint directory to write (created or replaced)",
+    )
     export.add_argument(
         "--max-shard-size",
         type=_positive_bytes,

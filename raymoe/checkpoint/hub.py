@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+from raymoe.checkpoint.storage import LOCAL, url_scheme
 
 HUB_ALLOW_PATTERNS = (
     "config.json",
@@ -58,7 +61,16 @@ def resolve_config_file(
 
 
 def _local_directory(name_or_path: str | os.PathLike[str]) -> Path | None:
-    """The directory ``name_or_path`` names, None for a hub id, or a ``ValueError`` for a bad path."""
+    """The directory ``name_or_path`` names (a ``file://`` URL its path), None for a hub id, or a ``ValueError`` for
+    a bad path or a storage URL (not read yet)."""
+    scheme = url_scheme(str(name_or_path))
+    if scheme is not None and scheme not in LOCAL:
+        raise ValueError(
+            f"checkpoint {str(name_or_path)!r}: from_pretrained reads a local directory or a hub id; {scheme}:// URLs "
+            "are not read yet: copy the checkpoint to a directory every node sees (or to each node), and give its path"
+        )
+    if scheme is not None:
+        name_or_path = unquote(urlsplit(str(name_or_path)).path)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
