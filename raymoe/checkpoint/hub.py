@@ -1,4 +1,6 @@
-"""Finding a checkpoint: a local directory, or a hub repository fetched into the local cache.
+"""Finding a checkpoint: a local directory, a hub repository fetched into the local cache, or a storage URL
+(``s3://bucket/model``, ``hf://org/model``) copied into a local cache on the node that reads it
+(:mod:`raymoe.checkpoint.download`).
 
 Only what raymoe reads is downloaded (config, safetensors weights and their index, tokenizer
 files), never the ``.bin``/``.pth`` duplicates many repositories also carry. With
@@ -14,7 +16,8 @@ from urllib.parse import unquote, urlsplit
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
 
-from raymoe.checkpoint.storage import LOCAL, url_scheme
+from raymoe.checkpoint.download import fetch_checkpoint
+from raymoe.checkpoint.storage import LOCAL, StorageUrl, storage_url, url_scheme
 
 HUB_ALLOW_PATTERNS = (
     "config.json",
@@ -38,7 +41,10 @@ def resolve_checkpoint(
     revision: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> Path:
-    """The local directory holding the checkpoint ``name_or_path`` (a directory, or a hub repo id)."""
+    """The local directory holding the checkpoint ``name_or_path`` (a directory, a hub repo id, or a storage URL)."""
+    url = storage_source(name_or_path)
+    if url is not None:
+        return fetch_checkpoint(url, HUB_ALLOW_PATTERNS, cache_dir)
     local = _local_directory(name_or_path)
     if local is not None:
         return local
@@ -52,7 +58,8 @@ def resolve_config_file(
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> Path:
     """Only ``config.json`` of the checkpoint: what the driver needs to validate a layout, without the weights."""
-    local = _local_directory(name_or_path)
+    url = storage_source(name_or_path)
+    local = fetch_checkpoint(url, ["config.json"], cache_dir) if url is not None else _local_directory(name_or_path)
     directory = local if local is not None else _from_hub(name_or_path, ["config.json"], revision, cache_dir)
     path = directory / "config.json"
     if not path.is_file():
@@ -62,14 +69,8 @@ def resolve_config_file(
 
 def _local_directory(name_or_path: str | os.PathLike[str]) -> Path | None:
     """The directory ``name_or_path`` names (a ``file://`` URL its path), None for a hub id, or a ``ValueError`` for
-    a bad path or a storage URL (not read yet)."""
-    scheme = url_scheme(str(name_or_path))
-    if scheme is not None and scheme not in LOCAL:
-        raise ValueError(
-            f"checkpoint {str(name_or_path)!r}: from_pretrained reads a local directory or a hub id; {scheme}:// URLs "
-            "are not read yet: copy the checkpoint to a directory every node sees (or to each node), and give its path"
-        )
-    if scheme is not None:
+    a bad path."""
+    if url_scheme(str(name_or_path)) is not None:
         name_or_path = unquote(urlsplit(str(name_or_path)).path)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
@@ -85,6 +86,14 @@ def _local_directory(name_or_path: str | os.PathLike[str]) -> Path | None:
     if _looks_like_a_path(str(name_or_path)):
         raise ValueError(f"checkpoint directory {str(name_or_path)!r} does not exist")
     return None
+
+
+def storage_source(name_or_path: str | os.PathLike[str]) -> StorageUrl | None:
+    """``name_or_path`` as a checked storage URL (read only), None when it is a path, a ``file://`` URL or a hub id."""
+    scheme = url_scheme(str(name_or_path))
+    if scheme is None or scheme in LOCAL:
+        return None
+    return storage_url(str(name_or_path), "checkpoint", write=False)
 
 
 def _from_hub(

@@ -25,6 +25,8 @@ from huggingface_hub.errors import (
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from torch import Tensor
 
+from raymoe.checkpoint.download import fetch_checkpoint
+from raymoe.checkpoint.hub import storage_source
 from raymoe.driver.chat import (
     CHAT_TEMPLATE_FILE,
     TOKENIZER_CONFIG_FILE,
@@ -155,8 +157,10 @@ def load_tokenizer(
 ) -> TextTokenizer:
     """The tokenizer of a checkpoint directory or hub repository: its ``tokenizer.json``, and its chat template
     (``chat_template.jinja`` or ``tokenizer_config.json``'s ``chat_template``) where it has one. From the hub
-    only those files are fetched."""
-    directory = Path(name_or_path).expanduser()
+    only those files are fetched, as from a storage URL (``s3://bucket/model``: into this node's cache)."""
+    url = storage_source(name_or_path)
+    files = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, CHAT_TEMPLATE_FILE)
+    directory = fetch_checkpoint(url, files, cache_dir) if url is not None else Path(name_or_path).expanduser()
     if directory.is_dir():
         path = directory / TOKENIZER_FILE
         if not path.is_file():

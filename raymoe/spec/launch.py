@@ -22,6 +22,7 @@ import torch
 from raymoe.checkpoint.adapter import AdapterFile
 from raymoe.checkpoint.hub import resolve_config_file
 from raymoe.checkpoint.model_io import check_checkpoint
+from raymoe.checkpoint.storage import LOCAL, url_scheme
 from raymoe.models.common.config import ModelConfig, read_config_file
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.lora import adapter_parameters
@@ -163,8 +164,11 @@ def prepare_launch(
     model_config = parse_model_config(raw)
     model = build_model(model_config, device="meta")
     source = str(name_or_path)
-    local = Path(name_or_path).expanduser()
-    if local.is_dir():  # a hub id's weights are fetched by each rank, on its node
+    scheme = url_scheme(source)
+    local: Path | None = Path(name_or_path).expanduser() if scheme is None else config_file.parent
+    if scheme is not None and scheme not in LOCAL:  # a storage URL: each rank copies what it reads onto its node
+        local = None
+    if local is not None and local.is_dir():  # a hub id's weights are fetched by each rank, on its node
         if weights:
             check_checkpoint(local, model)
         source = str(local.absolute())

@@ -66,12 +66,10 @@ def test_a_path_flag_is_one_usage_error_for_a_url(tmp_path):
         parse("s3://b/r")
 
 
-def test_from_pretrained_and_export_refuse_a_storage_url_and_take_a_file_url(tiny_checkpoint, capsys):
+def test_export_refuses_a_storage_url_and_from_pretrained_takes_a_file_url(tiny_checkpoint, capsys):
     from raymoe.checkpoint.hub import resolve_checkpoint
     from raymoe.cli import main
 
-    with pytest.raises(ValueError, match=r"checkpoint 's3://bucket/model': from_pretrained reads a local directory"):
-        raymoe.from_pretrained("s3://bucket/model")
     directory = tiny_checkpoint("moe_e8_k2_mha")
     assert resolve_checkpoint(f"file://{directory}") == directory
     with pytest.raises(SystemExit):

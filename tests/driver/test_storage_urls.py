@@ -4,6 +4,7 @@ tests/actors/test_storage_urls.py."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import fsspec
@@ -175,3 +176,44 @@ def test_a_trainer_runs_and_resumes_on_an_s3_output_dir(load_local, s3_bucket, t
     assert [r["loss"] for r in steps] == pytest.approx([r["loss"] for r in local if "loss" in r], rel=1e-5)
     with pytest.raises(ValueError, match=rf"output_dir {url} holds an earlier run \(a non-empty metrics.jsonl, a "):
         TrainerConfig(output_dir=url, steps=6, **options).check_output_dir()
+
+
+def test_from_pretrained_reads_a_checkpoint_at_a_url_through_a_node_cache(
+    load_local, tiny_checkpoint, s3_bucket, tmp_path
+):
+    """The driver fetches config.json, the rank what it reads; the cache follows the URL when it is saved anew."""
+    from raymoe.checkpoint.download import FETCHED_FILE
+
+    source = tiny_checkpoint(CHECKPOINT)
+    fs, url, cache = fsspec.filesystem("s3"), f"{s3_bucket}/model", tmp_path / "cache"
+    fs.put(str(source) + "/", url.removeprefix("s3://"), recursive=True)
+    with load_local(source) as local:
+        expected = local(PROBE)
+    with load_local(url, cache_dir=cache) as model:
+        torch.testing.assert_close(model(PROBE), expected, rtol=0, atol=0)
+        model.configure_training(lr=1e-2)
+        model.train_step(torch.randint(0, 64, (2, 8)))
+        trained = model(PROBE)
+        model.save_pretrained(url, max_shard_size=20_000)  # saved anew at the same URL, in several shards
+    copy = cache / "raymoe-storage" / "s3" / url.removeprefix("s3://")
+    assert (copy / FETCHED_FILE).is_file() and not any(copy.glob("*.partial"))
+    with load_local(url, cache_dir=cache) as model:  # the stale copy refreshed: the new weights
+        torch.testing.assert_close(model(PROBE), trained)
+    assert sorted(p.name for p in copy.glob("*.safetensors")) == sorted(
+        Path(p).name for p in fs.ls(url.removeprefix("s3://"), detail=False) if p.endswith(".safetensors")
+    )
+    with pytest.raises(ValueError, match=r"checkpoint s3://.*/nothing: cannot list it|holds none of"):
+        load_local(f"{s3_bucket}/nothing", cache_dir=cache)
+
+
+def test_two_ranks_on_one_node_fetch_a_url_checkpoint_once(load_on_world, tiny_checkpoint, s3_bucket, tmp_path):
+    from raymoe.checkpoint.download import FETCHED_FILE
+
+    source, url, cache = tiny_checkpoint(CHECKPOINT), f"{s3_bucket}/model", tmp_path / "cache"
+    fsspec.filesystem("s3").put(str(source) + "/", url.removeprefix("s3://"), recursive=True)
+    with load_on_world(source, {"fsdp_size": 2}) as model:
+        expected = model(PROBE)
+    with load_on_world(url, {"fsdp_size": 2}, cache_dir=cache) as model:
+        torch.testing.assert_close(model(PROBE), expected, rtol=0, atol=0)
+    copy = cache / "raymoe-storage" / "s3" / url.removeprefix("s3://")
+    assert "model.safetensors" in json.loads((copy / FETCHED_FILE).read_text())
