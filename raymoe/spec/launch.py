@@ -159,6 +159,8 @@ def prepare_launch(
     asked = DTYPES[dtype_of_weights] if dtype_of_weights else None
     policy = precision_of(precision, asked, config.fsdp_mixed_precision)
     topology = build_topology(config, world_size)
+    if cache_dir is not None and url_scheme(str(cache_dir)) is not None:  # never a local folder named "s3:"
+        raise ValueError(f"cache_dir={str(cache_dir)!r} must be a local directory path, not a URL")
     config_file = resolve_config_file(name_or_path, revision=revision, cache_dir=cache_dir)
     raw = read_config_file(config_file.parent)
     model_config = parse_model_config(raw)

@@ -75,3 +75,8 @@ def test_export_refuses_a_storage_url_and_from_pretrained_takes_a_file_url(tiny_
     with pytest.raises(SystemExit):
         main(["export", "s3://b/state", "/tmp/x"])
     assert "STATE_DIR='s3://b/state' is a s3:// URL; STATE_DIR takes a local path only" in capsys.readouterr().err
+
+
+def test_a_url_cache_dir_is_one_error(tiny_checkpoint):
+    with pytest.raises(ValueError, match=r"cache_dir='s3://b/cache' must be a local directory path, not a URL"):
+        raymoe.from_pretrained(tiny_checkpoint("moe_e8_k2_mha"), cache_dir="s3://b/cache")
