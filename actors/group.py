@@ -154,7 +154,7 @@ class RayRankGroup:
         check_fits(request, cluster_nodes())
         placement = place(request, options.placement_timeout_s)
         try:
-            check_nodes_see(shared, placement.node_of_rank)
+            check_nodes_see(shared, placement.node_of_rank, timeout_s=options.placement_timeout_s)
         except BaseException:
             placement.remove()
             raise
@@ -206,7 +206,7 @@ class RayRankGroup:
     def check_shared(self, needs: Sequence[SharedPath]) -> None:
         """Raise ``ValueError`` when a node hosting ranks (not the driver's) does not see ``needs`` as the driver
         does (:mod:`raymoe.spec.shared_paths`); nothing runs when every rank is on the driver's node."""
-        check_nodes_see(needs, self._live_placement().node_of_rank)
+        check_nodes_see(needs, self._live_placement().node_of_rank, timeout_s=self._options.placement_timeout_s)
 
     def use_layout(self, topology: Topology) -> None:
         """Regroup the ranks as ``topology``: its tp / ep groups must not cross nodes."""

@@ -17,7 +17,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raymoe.spec.shared_paths import SharedPath, check_seen, problems_on_node
 
-PROBE_TIMEOUT_S = 60.0
+# A probe starts a worker process on the node (Ray's, with raymoe imported), as placing a rank there does: the group
+# gives it the placement's own patience (RayGroupOptions.placement_timeout_s); this is the default of a bare call.
+PROBE_TIMEOUT_S = 120.0
 
 
 @ray.remote(num_cpus=0)
