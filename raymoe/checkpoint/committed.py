@@ -22,7 +22,7 @@ import json
 import time
 import uuid
 
-from raymoe.checkpoint.storage import StorageUrl
+from raymoe.checkpoint.storage import StorageUrl, children
 
 COMMIT_FILE = "raymoe_commit.json"
 FORMAT = "raymoe-commit"
@@ -84,11 +84,5 @@ def remove_uncommitted(target: StorageUrl) -> list[StorageUrl]:
 
 def generations(target: StorageUrl) -> list[StorageUrl]:
     """Every generation directory under ``target``, oldest first."""
-    fs = target.filesystem()
-    fs.invalidate_cache(target.path)
-    try:
-        entries = fs.ls(target.path, detail=True)
-    except FileNotFoundError:
-        return []
-    names = (entry["name"].rstrip("/").rsplit("/", 1)[-1] for entry in entries if entry.get("type") == "directory")
+    names = (name for name, entry in children(target).items() if entry.get("type") == "directory")
     return [target.join(name) for name in sorted(names) if name.startswith(_GENERATION_PREFIX)]

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from raymoe.checkpoint.storage import StorageUrl
+from raymoe.checkpoint.storage import StorageUrl, children
 
 FETCHED_FILE = ".raymoe-fetched.json"
 
@@ -54,15 +54,12 @@ def fetch_checkpoint(url: StorageUrl, patterns: Sequence[str], cache_dir: str | 
 
 def _remote_files(url: StorageUrl, patterns: Sequence[str]) -> dict[str, list[Any]]:
     """``{name: [size, etag]}`` of the files directly under ``url`` that match a pattern."""
-    fs = url.filesystem()
-    fs.invalidate_cache(url.path)
     try:
-        entries = fs.ls(url.path, detail=True)
+        entries = children(url)
     except Exception as error:  # filesystem packages raise their own types besides OSError
         raise ValueError(f"checkpoint {url}: cannot list it: {type(error).__name__}: {error}") from error
     files = {}
-    for entry in entries:
-        name = str(entry["name"]).rstrip("/").rsplit("/", 1)[-1]
+    for name, entry in entries.items():
         if entry.get("type") == "file" and any(fnmatch.fnmatch(name, pattern) for pattern in patterns):
             files[name] = [int(entry.get("size") or 0), str(entry.get("ETag") or entry.get("etag") or "")]
     if not files:

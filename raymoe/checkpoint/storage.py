@@ -16,7 +16,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -138,6 +138,18 @@ def size_of(location: Location) -> int:
     if isinstance(location, Path):
         return location.stat().st_size
     return int(location.filesystem().size(location.path))
+
+
+def children(url: StorageUrl) -> dict[str, dict[str, Any]]:
+    """What lies directly under ``url``, read afresh (fsspec's listing cache dropped): ``{name: fsspec's entry}``
+    (``type`` "file" or "directory", ``size``, an ``ETag`` on object stores); empty when nothing is there."""
+    fs = url.filesystem()
+    fs.invalidate_cache(url.path)
+    try:
+        entries = fs.ls(url.path, detail=True)
+    except FileNotFoundError:
+        return {}
+    return {str(entry["name"]).rstrip("/").rsplit("/", 1)[-1]: entry for entry in entries}
 
 
 def is_directory(location: Location) -> bool:

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from raymoe.checkpoint.committed import committed
 from raymoe.checkpoint.fingerprint import BaseFingerprint
-from raymoe.checkpoint.storage import Location, StorageUrl, child, is_directory, read_bytes, size_of
+from raymoe.checkpoint.storage import Location, StorageUrl, child, children, is_directory, read_bytes, size_of
 from raymoe.models.common.lora import frozen_base_names
 
 MANIFEST_FILE = "raymoe_state.json"
@@ -344,14 +344,8 @@ def _location(directory: str | os.PathLike[str] | StorageUrl) -> Location:
 
 
 def _committed_states(root: StorageUrl) -> list[tuple[int, Location]]:
-    fs = root.filesystem()
-    fs.invalidate_cache(root.path)
-    try:
-        names = [str(entry).rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(root.path, detail=False)]
-    except FileNotFoundError:
-        return []
     found: list[tuple[int, Location]] = []
-    for name in names:
+    for name in children(root):
         match = STATE_DIR_PATTERN.match(name)
         if match and committed(root.join(name)) is not None:
             found.append((int(match.group(1)), root.join(name)))

@@ -21,9 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from raymoe.checkpoint.staging import CheckpointSaveError
-from raymoe.checkpoint.storage import StorageUrl
-
-WEIGHT_PATTERNS = ("model.safetensors", "model.safetensors.index.json", "model-*-of-*.safetensors")
+from raymoe.checkpoint.storage import StorageUrl, children
+from raymoe.checkpoint.writer import WEIGHT_FILES
 
 
 def save_to_url(target: StorageUrl, write: Callable[[Path], list[Path]]) -> list[str]:
@@ -61,8 +60,6 @@ def upload_directory(local: Path, target: StorageUrl, *, replace_weights: bool =
 
 def _remove_stale_weights(target: StorageUrl, written: set[str]) -> None:
     fs = target.filesystem()
-    fs.invalidate_cache(target.path)
-    for entry in fs.ls(target.path, detail=False):
-        name = str(entry).rstrip("/").rsplit("/", 1)[-1]
-        if name not in written and any(fnmatch.fnmatch(name, pattern) for pattern in WEIGHT_PATTERNS):
-            fs.rm_file(str(entry))
+    for name in children(target):
+        if name not in written and any(fnmatch.fnmatch(name, pattern) for pattern in WEIGHT_FILES):
+            fs.rm_file(target.join(name).path)

@@ -48,7 +48,7 @@ from raymoe.models.common.hub_layout import HubLayout, split_fused
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # bytes
 _PARTIAL_SUFFIX = ".partial"  # shard files before their final name (the shard count) is known
 # The weight files of an earlier save: never carried into the new checkpoint (the last one is left by old raymoe).
-_WEIGHT_FILES = (SAFETENSORS_FILE, INDEX_FILE, "model-*-of-*.safetensors", f"model-*.safetensors{_PARTIAL_SUFFIX}")
+WEIGHT_FILES = (SAFETENSORS_FILE, INDEX_FILE, "model-*-of-*.safetensors", f"model-*.safetensors{_PARTIAL_SUFFIX}")
 
 
 class CheckpointWriter:
@@ -153,7 +153,7 @@ class CheckpointWriter:
             self._closed = True
             names = self._name_shards()
             _read_back(self.staging, names, self._written_keys)
-            swap_in(self.staging, self.target, _WEIGHT_FILES)
+            swap_in(self.staging, self.target, WEIGHT_FILES)
         except BaseException:
             self.abort()
             raise

@@ -91,13 +91,12 @@ class TrainingStates:
             self._base = fingerprint_base(spec.source, spec.model_config, weights)
         return self._base
 
-    def save(
-        self, path: str | os.PathLike[str] | StorageUrl, async_save: bool, extra: Mapping[str, Any] | None
-    ) -> Location:
+    def save(self, target: Location, async_save: bool, extra: Mapping[str, Any] | None) -> Location:
+        """``target``: the place the handle checked (:func:`~raymoe.driver.local_paths.storage_path`), probed once."""
         optimizer = self.session.require_optimizer("save_state")
         checked_extra = _checked_extra(extra)
         self.wait()
-        target, staging = _save_target(storage_path(path, "save_state path", write=True))
+        target, staging = _save_target(target)
         topology = self.fanout.topology
         manifest = StateManifest(
             model_config=dict(self.spec.model_config),
