@@ -18,6 +18,7 @@ batch ("batch record 3") and an example by its place in its packing window ("win
 
 from __future__ import annotations
 
+import importlib
 import json
 from typing import Any, Literal
 
@@ -96,10 +97,10 @@ def packed_windows(tables: list[Any], seq_len: int, pack_window: int) -> list[Pa
     sizes: list[int] = []
     for table in tables:
         for row in table.to_pylist():
-            arrays = {name: _rows(row.get(name), seq_len) for name in ROWS}
-            windows.append(
-                PackedWindow(**arrays, examples=row["examples"], truncated=row["truncated"], dropped=row["dropped"])
-            )  # type: ignore[arg-type]
+            ids, mask, labels, documents = (_rows(row.get(name), seq_len) for name in ROWS)
+            assert ids is not None and mask is not None
+            counts = {name: int(row[name]) for name in ("examples", "truncated", "dropped")}
+            windows.append(PackedWindow(ids, mask, labels, documents, **counts))
             sizes.append(int(row["window_size"]))
     if any(size != pack_window for size in sizes[:-1]):
         raise RuntimeError(f"Ray Data gave packing windows of {sorted(set(sizes[:-1]))} examples, not {pack_window}")
@@ -120,7 +121,7 @@ def _lists(arrays: list[np.ndarray], value_type: Any) -> Any:
 
 
 def _flat(column: Any) -> tuple[np.ndarray, np.ndarray]:
-    import pyarrow.compute as pc
+    pc: Any = importlib.import_module("pyarrow.compute")
 
     combined = column.combine_chunks()
     lengths = pc.list_value_length(combined).to_numpy(zero_copy_only=False).astype(np.int64)
