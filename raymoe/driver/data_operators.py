@@ -50,8 +50,12 @@ class TokenizeOperator:
         self.encoder = encoder
         self.decoding = decoding
 
+    @staticmethod
+    def records(table: Any, decoding: Decoding) -> list[Any]:
+        return decode_records(table, decoding)
+
     def __call__(self, table: Any) -> Any:
-        import pyarrow as pa
+        pa: Any = importlib.import_module("pyarrow")
 
         records = decode_records(table, self.decoding)
         chunk = self.encoder.encode(list(enumerate(records, start=1)))
@@ -70,7 +74,7 @@ class PackOperator:
         self.overlong: Overlong = overlong
 
     def __call__(self, table: Any) -> Any:
-        import pyarrow as pa
+        pa: Any = importlib.import_module("pyarrow")
 
         window = pack_window_rows(self.examples_of(table), self.seq_len, self.packing, self.overlong)
         columns: dict[str, Any] = {
@@ -112,7 +116,7 @@ def _rows(values: list[int] | None, seq_len: int) -> np.ndarray | None:
 
 
 def _lists(arrays: list[np.ndarray], value_type: Any) -> Any:
-    import pyarrow as pa
+    pa: Any = importlib.import_module("pyarrow")
 
     offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
     np.cumsum([len(a) for a in arrays], out=offsets[1:])
