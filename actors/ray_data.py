@@ -7,7 +7,7 @@ operators of :mod:`raymoe.driver.data_operators` (handed in by ``raymoe/api.py``
     tokenize    map_batches(tokenize, batch_format="pyarrow")
     window      repartition(target_num_rows_per_block=pack_window, strict=True): blocks of exactly pack_window
     pack        map_batches(pack, batch_size=pack_window): one row per window
-    collect     iter_batches on the driver, in order (DataContext.execution_options.preserve_order)
+    collect     iter_batches on the driver, in order (the pipeline's DataContext: execution_options.preserve_order)
 
 The driver still receives every packed row in this version; streaming each data-parallel group's share to its
 ranks without the driver is not there yet.
@@ -48,14 +48,14 @@ def tokenize_and_pack(
     records: ray.data.Dataset, tokenize: Operator, pack: Operator, pack_window: int, progress: bool
 ) -> list[Any]:
     """The pack operator's output tables, in order (one row per packing window)."""
-    context = ray.data.DataContext.get_current()
-    context.execution_options.preserve_order = True
-    context.enable_progress_bars = progress
     packed = (
         records.map_batches(tokenize, batch_format="pyarrow", batch_size=1000)
         .repartition(target_num_rows_per_block=pack_window, strict=True)
         .map_batches(pack, batch_format="pyarrow", batch_size=pack_window)
     )
+    context = packed.context  # this dataset's own copy: the executor reads it, the user's dataset is left alone
+    context.execution_options.preserve_order = True
+    context.enable_progress_bars = progress
     return [batch for batch in packed.iter_batches(batch_format="pyarrow", batch_size=None)]
 
 
