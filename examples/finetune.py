@@ -117,6 +117,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data.add_argument("--seq-len", type=int, default=128, help="tokens per packed sequence (default: %(default)s)")
     data.add_argument("--num-proc", type=int, help="tokenizing processes (default: one per CPU for large data)")
     data.add_argument(
+        "--data-engine",
+        choices=("driver", "ray"),
+        default="driver",
+        help="driver: tokenize and pack in this process (cached); ray: as Ray Data operators on the cluster's CPUs, "
+        "the packed rows then sent to this process (default: %(default)s)",
+    )
+    data.add_argument(
+        "--pack-window",
+        type=int,
+        help="examples packed together (default: the whole dataset with --data-engine driver, 10000 with ray)",
+    )
+    data.add_argument(
         "--cache-dir",
         type=path_flag("--cache-dir"),
         help="where tokenized data is cached by content hash (default: $RAYMOE_CACHE_DIR or ~/.cache/raymoe/tokenized)",
@@ -542,10 +554,32 @@ def run(args: argparse.Namespace) -> tuple[raymoe.TrainSummary, Lora | None]:
 
 def load_data(args: argparse.Namespace, tokenizer: raymoe.TextTokenizer | None) -> raymoe.PackedData:
     """The dataset, tokenized (chat data rendered with the chat template) and packed as the options say."""
+    window = {} if args.pack_window is None else {"pack_window": args.pack_window}
+    if args.data_engine == "ray":
+        return raymoe.load_dataset(
+            args.dataset,
+            args.seq_len,
+            tokenizer,
+            engine="ray",
+            text_field=args.text_field,
+            messages_field=args.messages_field,
+            prompt_field=args.prompt_field,
+            completion_field=args.completion_field,
+            packing=args.packing,
+            loss_on=args.loss_on,
+            overlong=args.overlong,
+            split=args.dataset_split,
+            dataset_config=args.dataset_config,
+            cache_dir=False if args.no_cache else args.cache_dir,  # a cache dir or --num-proc: engine='ray' says no
+            num_proc=args.num_proc,
+            progress=not args.no_progress,
+            **window,
+        )
     return raymoe.load_dataset(
         args.dataset,
         args.seq_len,
         tokenizer,
+        **window,
         text_field=args.text_field,
         messages_field=args.messages_field,
         prompt_field=args.prompt_field,

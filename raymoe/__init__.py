@@ -6,10 +6,9 @@ The folders say which process runs the code (see ARCHITECTURE.md): ``spec/`` (dr
 is the only code that imports ``ray``.
 """
 
-from raymoe.api import from_pretrained, plan, start_world
+from raymoe.api import from_pretrained, from_ray_dataset, load_dataset, plan, start_world
 from raymoe.checkpoint import load_model, save_model
 from raymoe.checkpoint.export import export_state
-from raymoe.driver.dataset import load_dataset
 from raymoe.driver.handle import DistributedModel
 from raymoe.driver.interrupts import TrainingInterrupted
 from raymoe.driver.packing import PackedData
@@ -47,6 +46,7 @@ __all__ = [
     "build_topology",
     "export_state",
     "from_pretrained",
+    "from_ray_dataset",
     "generate",
     "load_dataset",
     "load_model",

@@ -15,10 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from raymoe.driver import dataset as driver_dataset
 from raymoe.driver.group import RankGroup
 from raymoe.driver.handle import DistributedModel
 from raymoe.driver.memory_plan import MemoryPlan
+from raymoe.driver.packing import PackedData
 from raymoe.driver.plan import plan_memory
+from raymoe.driver.ray_engine import DECODING, RayJob, check_engine, check_ray_options, read_format
+from raymoe.driver.records import open_hub_dataset
+from raymoe.driver.tokenizer import TextTokenizer
 from raymoe.rank.contract import DEFAULT_COLLECTIVE_TIMEOUT_S, Backend
 from raymoe.rank.fake import FakeWorlds
 from raymoe.spec.config import DistributedConfig
@@ -182,3 +187,58 @@ def _group_options(
         placement_timeout_s=placement_timeout_s,
         collective_timeout_s=collective_timeout_s,
     )
+
+
+def load_dataset(
+    path: str | os.PathLike[str],
+    seq_len: int,
+    tokenizer: TextTokenizer | None,
+    *,
+    engine: str = "driver",
+    **options: Any,
+) -> PackedData:
+    """Read, tokenize and pack ``path`` (:func:`raymoe.driver.dataset.load_dataset` gives the options).
+
+    ``engine="driver"`` (the default) does it in this process (and its worker processes); ``engine="ray"`` reads,
+    tokenizes and packs as Ray Data operators on the cluster's CPUs (:mod:`raymoe.driver.ray_engine`,
+    ``actors/ray_data.py``): the same records give the same rows with the same ``pack_window`` (the Ray engine's
+    default: 10000 examples a window). The packed rows still come back to this process.
+    """
+    check_engine(engine)
+    if engine == "driver":
+        return driver_dataset.load_dataset(path, seq_len, tokenizer, **options)
+    if tokenizer is None:
+        raise ValueError("load_dataset(engine='ray') tokenizes text: give a tokenizer")
+    rest = check_ray_options(options)
+    fmt = read_format(path)
+    split, config = rest.pop("split", "train"), rest.pop("dataset_config", None)
+    from actors.ray_data import read_records
+
+    hub = open_hub_dataset(str(path), split=split, config_name=config) if fmt == "datasets" else None
+    records = read_records(str(path), fmt, hub.dataset if hub is not None else None)
+    name = hub.name if hub is not None else f"dataset {path}"
+    return _ray_packed(records, DECODING[fmt], name, seq_len, tokenizer, rest)
+
+
+def from_ray_dataset(dataset: Any, *, tokenizer: TextTokenizer, seq_len: int, **options: Any) -> PackedData:
+    """A user's ``ray.data.Dataset`` of records (each row a document or a conversation, as in a ``.jsonl``)
+    tokenized and packed on the cluster like ``load_dataset(engine="ray")`` (options: its packing and chat ones,
+    ``pack_window``, ``progress``). The packed rows come back to this process."""
+    return _ray_packed(dataset, "table", "ray dataset", seq_len, tokenizer, check_ray_options(options))
+
+
+def _ray_packed(
+    records: Any, decoding: Any, name: str, seq_len: int, tokenizer: TextTokenizer, options: dict[str, Any]
+) -> PackedData:
+    from actors.ray_data import first_batch, tokenize_and_pack, unwrap
+
+    progress = bool(options.pop("progress", False))
+    job = RayJob.of(first_batch(records), decoding, name, seq_len, tokenizer, **options)
+    try:
+        tables = tokenize_and_pack(records, job.tokenize, job.pack, job.pack_window, progress)
+    except Exception as error:
+        cause = unwrap(error)
+        if cause is error:
+            raise
+        raise ValueError(str(cause)) from error
+    return job.packed(tables)

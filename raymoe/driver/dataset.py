@@ -26,6 +26,7 @@ from raymoe.driver.chat import ChatTemplate
 from raymoe.driver.example_encoder import EncodeOptions, LossOn
 from raymoe.driver.packing import Overlong, PackedData, Packing, check_seq_len, pack_examples, pack_token_stream
 from raymoe.driver.records import Fields, open_source
+from raymoe.driver.row_packing import check_pack_options, check_pack_window
 from raymoe.driver.tokenized import tokenize
 from raymoe.driver.tokenizer import TextTokenizer, load_chat_template
 
@@ -65,6 +66,7 @@ def load_dataset(
     cache_dir: str | os.PathLike[str] | Literal[False] | None = None,
     num_proc: int | None = None,
     progress: bool = False,
+    pack_window: int | None = None,
 ) -> PackedData:
     """Read, tokenize and pack ``path`` (see the module docstring for the formats, packing and ``overlong``).
 
@@ -73,24 +75,20 @@ def load_dataset(
     ``reasoning_effort``...). ``split`` / ``dataset_config`` choose a ``datasets`` split and configuration.
     ``cache_dir``: where tokenized examples are cached (default ``$RAYMOE_CACHE_DIR`` or
     ``~/.cache/raymoe/tokenized``; False: no cache). ``num_proc``: tokenizing processes (default: by size).
-    ``progress`` shows a progress bar while tokenizing. The result's ``report`` says what happened.
+    ``progress`` shows a progress bar while tokenizing. ``pack_window``: examples packed together (None, the default:
+    the whole dataset; see :mod:`raymoe.driver.packing`). The result's ``report`` says what happened.
     """
     check_seq_len(seq_len)
-    if packing not in ("document", "plain"):
-        raise ValueError(f"packing={packing!r}: choose 'document' or 'plain'")
+    check_pack_options(packing, overlong)
+    check_pack_window(pack_window)
     file = Path(path).expanduser()
     if file.suffix == ".npy":
         return _load_npy(_existing_file(file), seq_len, tokenizer)
     source = open_source(path, split=split, config_name=dataset_config)
     if tokenizer is None:
         raise ValueError(f"{source.name} is text and needs a tokenizer; give one, or pre-tokenized data (.npy)")
-    template = tokenizer.chat_template
-    if isinstance(chat_template, ChatTemplate):
-        template = chat_template
-    elif chat_template is not None:
-        template = load_chat_template(chat_template, tokenizer.special_tokens)
     fields = Fields(text=text_field, messages=messages_field, prompt=prompt_field, completion=completion_field)
-    options = EncodeOptions(fields, loss_on, dict(template_kwargs or {}))
+    template, options = encoding_of(tokenizer, fields, loss_on, chat_template, template_kwargs)
     examples = tokenize(
         source,
         tokenizer.tokenizer,
@@ -101,12 +99,29 @@ def load_dataset(
         num_proc=num_proc,
         progress=progress,
     )
-    data = pack_examples(examples, seq_len, packing=packing, overlong=overlong)
+    data = pack_examples(examples, seq_len, packing=packing, overlong=overlong, pack_window=pack_window)
     if data.num_sequences == 0 or data.num_tokens < 2:
         raise ValueError(f"{source.name} is empty: it holds no tokens to train on")
     if data.report is not None:
         logger.info("%s: %s", source.name, data.report.summary())
     return data
+
+
+def encoding_of(
+    tokenizer: TextTokenizer,
+    fields: Fields,
+    loss_on: LossOn,
+    chat_template: ChatTemplate | str | os.PathLike[str] | None,
+    template_kwargs: Mapping[str, Any] | None,
+) -> tuple[ChatTemplate | None, EncodeOptions]:
+    """The chat template conversations are rendered with (``chat_template``, else the tokenizer's) and the encoding
+    options: what both engines give the :class:`~raymoe.driver.example_encoder.ExampleEncoder`."""
+    template = tokenizer.chat_template
+    if isinstance(chat_template, ChatTemplate):
+        template = chat_template
+    elif chat_template is not None:
+        template = load_chat_template(chat_template, tokenizer.special_tokens)
+    return template, EncodeOptions(fields, loss_on, dict(template_kwargs or {}))
 
 
 def _load_npy(file: Path, seq_len: int, tokenizer: TextTokenizer | None) -> PackedData:

@@ -19,26 +19,36 @@ A conversation longer than ``seq_len`` is an error naming its file and row unles
 ``"truncate"`` (keep its first ``seq_len`` tokens; one with no answer token left is dropped) or ``"drop"``;
 either is counted in :attr:`PackedData.report`. (How a model attends inside packed rows is
 :mod:`raymoe.models.common.packing`.)
+
+``pack_window`` (examples per packing window) packs each run of that many consecutive tokenized examples alone
+(:mod:`raymoe.driver.row_packing`, the one algorithm) and puts the windows' rows one after another: no row holds
+two windows' examples, and best-fit looks for room only inside its window. None (the default here) is one window,
+the whole dataset; the Ray Data engine packs windows on the cluster (:mod:`raymoe.driver.data_operators`, default
+10 000 examples), and the same ``pack_window`` gives the same rows on either engine.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from raymoe.driver.batch import document_starts
+from raymoe.driver.row_packing import (
+    Overlong,
+    PackedWindow,
+    Packing,
+    check_pack_options,
+    check_pack_window,
+    cut_stream,
+    pack_window_rows,
+)
 from raymoe.driver.tokenized import TokenizedExamples
 from raymoe.models.common.loss import IGNORE_INDEX, count_label_tokens
-
-Packing = Literal["document", "plain"]
-Overlong = Literal["error", "truncate", "drop"]
 
 
 @dataclass(frozen=True)
@@ -204,32 +214,8 @@ def pack_token_stream(
     stream = [token for doc in documents if len(doc) for token in (*doc, *separator)]
     if len(stream) < 2:
         raise ValueError("the dataset is empty: its documents hold fewer than 2 tokens")
-    ids, mask, _, _ = _cut_stream(np.asarray(stream, dtype=np.int64), None, None, seq_len, pad_token_id)
-    return PackedData(ids, mask)
-
-
-def _cut_stream(
-    ids: np.ndarray, labels: np.ndarray | None, documents: np.ndarray | None, seq_len: int, pad_token_id: int
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-    """A token stream cut into rows of ``seq_len``, the last one right-padded (dropped if it holds one token only,
-    which has no next-token target)."""
-    total = len(ids)
-    num_rows = -(-total // seq_len)
-    size = num_rows * seq_len
-
-    def filled(values: np.ndarray, pad: int) -> Tensor:
-        out = np.full(size, pad, dtype=np.int64)
-        out[:total] = values
-        return torch.from_numpy(out).view(num_rows, seq_len)
-
-    mask = filled(np.ones(total, dtype=np.int64), 0)
-    rows = num_rows - 1 if total % seq_len == 1 else num_rows
-    return (
-        filled(ids, pad_token_id)[:rows],
-        mask[:rows],
-        filled(labels, IGNORE_INDEX)[:rows] if labels is not None else None,
-        filled(documents, -1)[:rows] if documents is not None else None,
-    )
+    ids, mask, _, _ = cut_stream(np.asarray(stream, dtype=np.int64), None, None, seq_len, pad_token_id)
+    return PackedData(torch.from_numpy(ids), torch.from_numpy(mask))
 
 
 def pack_examples(
@@ -239,130 +225,56 @@ def pack_examples(
     packing: Packing = "document",
     overlong: Overlong = "error",
     pad_token_id: int = 0,
+    pack_window: int | None = None,
 ) -> PackedData:
-    """Tokenized examples as rows of ``seq_len`` (see the module docstring for ``packing`` and ``overlong``)."""
+    """Tokenized examples as rows of ``seq_len`` (see the module docstring for ``packing``, ``overlong`` and
+    ``pack_window``): each window of ``pack_window`` consecutive examples packed alone
+    (:func:`~raymoe.driver.row_packing.pack_window_rows`), or the whole dataset as one window (None)."""
     check_seq_len(seq_len)
-    if packing not in ("document", "plain"):
-        raise ValueError(f"packing={packing!r}: choose 'document' or 'plain'")
-    if overlong not in ("error", "truncate", "drop"):
-        raise ValueError(f"overlong={overlong!r}: choose 'error', 'truncate' or 'drop'")
-    lengths = examples.lengths
-    starts = examples.offsets[:-1]
-    truncated = dropped = 0
-    keep = np.ones(len(lengths), dtype=bool)
-    if examples.kind == "chat":
-        long = np.flatnonzero(lengths > seq_len)
-        if len(long) and overlong == "error":
-            first = int(long[0])
-            raise ValueError(
-                f"{examples.where(first)} is {int(lengths[first])} tokens long, more than seq_len={seq_len} "
-                f"({len(long)} of {len(lengths)} conversations are); raise --seq-len, or pass --overlong truncate "
-                "(keep the first seq_len tokens) or --overlong drop"
-            )
-        if overlong == "drop":
-            keep[long] = False
-            dropped = len(long)
-        elif overlong == "truncate":
-            assert examples.labels is not None
-            answered = np.array([examples.labels[starts[i] : starts[i] + seq_len].any() for i in long], dtype=bool)
-            keep[long[~answered]] = False  # nothing of the answer fits: nothing to train on
-            dropped = int((~answered).sum())
-            truncated = int(answered.sum())
-        lengths = np.minimum(lengths, seq_len)
-    starts, lengths = starts[keep], lengths[keep]
-    if len(lengths) == 0 or int(lengths.sum()) < 2:
-        raise ValueError(f"{examples.source} is empty: after dropping what exceeds seq_len={seq_len}, nothing is left")
-    # Every kept token's index in the examples' arrays, in order.
-    total = int(lengths.sum())
-    ends = np.cumsum(lengths)
-    index = np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths)
-    ids = examples.ids[index].astype(np.int64)
-    labels = np.where(examples.labels[index], ids, IGNORE_INDEX) if examples.labels is not None else None
-    documents = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
-    rows: tuple[Tensor, Tensor, Tensor | None, Tensor | None]
-    if examples.kind == "chat" and packing == "document":
-        rows = _pack_whole(ids, labels, documents, lengths, seq_len, pad_token_id)
-    else:
-        rows = _cut_stream(ids, labels, documents if packing == "document" else None, seq_len, pad_token_id)
-    data = PackedData(*rows)
-    report = DataReport(
-        source=examples.source,
-        kind=examples.kind,
-        packing=packing,
-        examples=len(lengths),
-        truncated=truncated,
-        dropped=dropped,
+    check_pack_options(packing, overlong)
+    window = check_pack_window(pack_window)
+    count = examples.num_examples
+    windows = [examples] if window is None else [examples.window(at, at + window) for at in range(0, count, window)]
+    return packed_of_windows(
+        [pack_window_rows(part, seq_len, packing, overlong, pad_token_id) for part in windows],
+        seq_len,
+        DataReport(
+            examples.source, examples.kind, packing, 0, from_cache=examples.from_cache, cache=examples.cache,
+            tokenize_s=examples.seconds,
+        ),
+    )  # fmt: skip
+
+
+def packed_of_windows(windows: Sequence[PackedWindow], seq_len: int, report: DataReport) -> PackedData:
+    """The windows' rows one after another, in order, as one ``PackedData`` [sum R, seq_len]; a window's
+    ``document_ids`` go on from the previous window's, so every kept example has its own id. ``report`` gives the
+    source, kind, packing and tokenization; the counts are filled in here."""
+    examples = sum(window.examples for window in windows)
+    if examples == 0 or sum(int(window.attention_mask.sum()) for window in windows) < 2:
+        raise ValueError(f"{report.source} is empty: after dropping what exceeds seq_len={seq_len}, nothing is left")
+    first_document = np.cumsum([0, *(window.examples for window in windows)])
+
+    def joined(name: str) -> Tensor | None:
+        parts = [getattr(window, name) for window in windows]
+        if parts[0] is None:
+            return None
+        if name == "document_ids":
+            parts = [
+                np.where(part >= 0, part + first, part) for part, first in zip(parts, first_document, strict=False)
+            ]
+        return torch.from_numpy(np.concatenate(parts).reshape(-1, seq_len))
+
+    ids, mask = joined("input_ids"), joined("attention_mask")
+    assert ids is not None and mask is not None
+    data = PackedData(ids, mask, joined("labels"), joined("document_ids"))
+    counts = replace(
+        report,
+        examples=examples,
+        truncated=sum(window.truncated for window in windows),
+        dropped=sum(window.dropped for window in windows),
         tokens=data.num_tokens,
         label_tokens=data.num_label_tokens,
         rows=data.num_sequences,
         seq_len=seq_len,
-        from_cache=examples.from_cache,
-        cache=examples.cache,
-        tokenize_s=examples.seconds,
     )
-    return replace(data, report=report)
-
-
-def _pack_whole(
-    ids: np.ndarray,
-    labels: np.ndarray | None,
-    documents: np.ndarray,
-    lengths: np.ndarray,
-    seq_len: int,
-    pad_token_id: int,
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
-    """Whole examples (each ``<= seq_len``) into rows, best-fit decreasing; rows ordered by their first example."""
-    row_of, column_of, num_rows = _best_fit_decreasing(lengths, seq_len)
-    first_example = np.full(num_rows, len(lengths), dtype=np.int64)
-    np.minimum.at(first_example, row_of, np.arange(len(lengths)))
-    order = np.argsort(first_example, kind="stable")
-    rank = np.empty(num_rows, dtype=np.int64)
-    rank[order] = np.arange(num_rows)
-    ends = np.cumsum(lengths)
-    within = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - lengths, lengths)
-    target = np.repeat(rank[row_of] * seq_len + column_of, lengths) + within
-    size = num_rows * seq_len
-
-    def placed(values: np.ndarray, pad: int) -> Tensor:
-        out = np.full(size, pad, dtype=np.int64)
-        out[target] = values
-        return torch.from_numpy(out).view(num_rows, seq_len)
-
-    return (
-        placed(ids, pad_token_id),
-        placed(np.ones(len(ids), dtype=np.int64), 0),
-        placed(labels, IGNORE_INDEX) if labels is not None else None,
-        placed(documents, -1),
-    )
-
-
-def _best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """``(row, column, rows)``: each length placed into the row with the least room that still fits it, longest
-    first. Rows with room ``r`` are kept in a bucket per ``r`` and the distinct rooms in a sorted list, so a
-    placement costs a bisection (not a scan of the rows)."""
-    row_of = np.empty(len(lengths), dtype=np.int64)
-    column_of = np.empty(len(lengths), dtype=np.int64)
-    rooms: list[int] = []  # sorted distinct rooms with at least one row
-    rows_with: dict[int, list[int]] = {}
-    used: list[int] = []  # tokens placed in each row
-    for example in np.argsort(-lengths, kind="stable").tolist():
-        length = int(lengths[example])
-        at = bisect.bisect_left(rooms, length)
-        if at < len(rooms):
-            room = rooms[at]
-            row = rows_with[room].pop()
-            if not rows_with[room]:
-                del rows_with[room]
-                rooms.pop(at)
-        else:
-            row, room = len(used), capacity
-            used.append(0)
-        row_of[example], column_of[example] = row, used[row]
-        used[row] += length
-        left = room - length
-        if left > 0:
-            if left not in rows_with:
-                bisect.insort(rooms, left)
-                rows_with[left] = []
-            rows_with[left].append(row)
-    return row_of, column_of, len(used)
+    return replace(data, report=counts)

@@ -29,7 +29,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -74,6 +74,18 @@ class TokenizedExamples:
 
     def where(self, example: int) -> str:
         return f"{self.source} {self.unit} {int(self.rows[example])}"
+
+    def window(self, start: int, stop: int) -> TokenizedExamples:
+        """Examples ``start:stop`` (a packing window), their ids and labels sliced, offsets from 0."""
+        stop = min(stop, self.num_examples)
+        first, last = int(self.offsets[start]), int(self.offsets[stop])
+        return replace(
+            self,
+            ids=self.ids[first:last],
+            labels=self.labels[first:last] if self.labels is not None else None,
+            offsets=self.offsets[start : stop + 1] - first,
+            rows=self.rows[start:stop],
+        )
 
 
 _WORKER: ExampleEncoder | None = None

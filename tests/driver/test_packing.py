@@ -1,9 +1,13 @@
-"""Token streams into fixed-length rows, and held-out splits of packed rows."""
+"""Token streams into fixed-length rows, packing windows (``pack_window``), and held-out splits of packed rows."""
+
+import json
 
 import pytest
 import torch
 
+from raymoe.driver.dataset import load_dataset
 from raymoe.driver.packing import PackedData, pack_token_stream
+from raymoe.driver.tiny import tiny_tokenizer
 
 
 def test_pack_token_stream_joins_with_eos_and_pads_the_last_row():
@@ -33,3 +37,64 @@ def test_split_holds_out_the_last_rows():
     assert data.split(0)[1] is None
     with pytest.raises(ValueError, match=r"eval_fraction=1.5 must be in \[0, 1\)"):
         data.split(1.5)
+
+
+def _conversations(count: int) -> list[dict]:
+    """Conversations of varied lengths (so that best-fit places them out of order)."""
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": "q" * (i * 7 % 23 + 1)},
+                {"role": "assistant", "content": "a" * (i * 5 % 17 + 1)},
+            ]
+        }
+        for i in range(count)
+    ]
+
+
+def _write_jsonl(path, records) -> object:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_a_pack_window_packs_each_window_alone_and_none_is_the_whole_dataset(tmp_path, kind):
+    tokenizer = tiny_tokenizer()
+    records = _conversations(50)
+    if kind == "text":
+        records = [{"text": r["messages"][0]["content"] + " " + r["messages"][1]["content"]} for r in records]
+    path = _write_jsonl(tmp_path / "all.jsonl", records)
+    whole = load_dataset(path, 96, tokenizer, cache_dir=False)
+    assert _equal(load_dataset(path, 96, tokenizer, cache_dir=False, pack_window=None), whole)
+    assert _equal(load_dataset(path, 96, tokenizer, cache_dir=False, pack_window=50), whole)  # one window: the same
+
+    windowed = load_dataset(path, 96, tokenizer, cache_dir=False, pack_window=16)
+    alone = [
+        load_dataset(_write_jsonl(tmp_path / f"w{at}.jsonl", records[at : at + 16]), 96, tokenizer, cache_dir=False)
+        for at in range(0, 50, 16)
+    ]
+    for name in ("input_ids", "attention_mask", "labels"):
+        parts = [getattr(part, name) for part in alone]
+        assert (getattr(windowed, name) is None) == (parts[0] is None)
+        if parts[0] is not None:
+            assert torch.equal(getattr(windowed, name), torch.cat(parts)), name
+    # document ids go on from window to window: each window's ids offset by the examples before it
+    offsets = [0, 16, 32, 48]
+    shifted = [torch.where(p.document_ids >= 0, p.document_ids + o, -1) for p, o in zip(alone, offsets, strict=True)]
+    assert torch.equal(windowed.document_ids, torch.cat(shifted))
+    assert windowed.report.examples == 50 and windowed.report.rows == windowed.num_sequences
+    assert not _equal(windowed, whole)  # the windows are seen: rows end at each window's end
+
+
+def _equal(a: PackedData, b: PackedData) -> bool:
+    return all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+        for x, y in ((a.input_ids, b.input_ids), (a.attention_mask, b.attention_mask), (a.labels, b.labels))
+    ) and torch.equal(a.document_ids, b.document_ids)
+
+
+def test_bad_pack_windows_are_one_clear_error(tmp_path):
+    path = _write_jsonl(tmp_path / "a.jsonl", _conversations(4))
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=r"pack_window=.* must be None \(the whole dataset\) or an int >= 1"):
+            load_dataset(path, 96, tiny_tokenizer(), pack_window=bad)

@@ -1,0 +1,132 @@
+"""What the driver decides for ``load_dataset(engine="ray")`` and ``from_ray_dataset``, before and after Ray Data
+runs (the pipeline is ``actors/ray_data.py``, composed by ``raymoe/api.py``)::
+
+    check_engine(engine)            "driver" or "ray", else one ValueError before any work
+    read_format(path)               jsonl | parquet | datasets | text (by suffix; a local directory or hub id:
+                                    a datasets split, loaded here and handed to Ray Data); .npy: a ValueError
+    RayJob.of(first record, ...)    the record kind, the tokenize and pack operators, the window
+    RayJob.packed(tables)           the packed windows -> PackedData (+ report)
+
+The Ray engine tokenizes and packs on the cluster's CPUs, but the driver still receives every packed row in this
+version (streaming each data-parallel group's share to its ranks without the driver is not there yet). It has no
+tokenization cache, and ``num_proc`` is the driver engine's: both are ValueErrors here, never ignored.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from raymoe.driver.chat import ChatTemplate
+from raymoe.driver.data_operators import RAY_PACK_WINDOW, Decoding, PackOperator, TokenizeOperator, packed_windows
+from raymoe.driver.dataset import encoding_of
+from raymoe.driver.example_encoder import ExampleEncoder, LossOn
+from raymoe.driver.packing import DataReport, Overlong, PackedData, Packing, check_seq_len, packed_of_windows
+from raymoe.driver.records import Fields, record_kind
+from raymoe.driver.row_packing import check_pack_options, check_pack_window
+from raymoe.driver.tokenizer import TextTokenizer
+
+ENGINES = ("driver", "ray")
+DECODING: dict[str, Decoding] = {"jsonl": "json_lines", "text": "text_file", "parquet": "table", "datasets": "table"}
+
+
+def check_engine(engine: object) -> str:
+    if engine not in ENGINES:
+        raise ValueError(f"load_dataset: engine={engine!r}: choose 'driver' (the default) or 'ray'")
+    return str(engine)
+
+
+def read_format(path: str | os.PathLike[str]) -> str:
+    """How Ray Data reads ``path`` (a local path or a URL, by its suffix)."""
+    name = str(path)
+    suffix = Path(name.split("?")[0]).suffix
+    if suffix == ".npy":
+        raise ValueError(
+            f"load_dataset(engine='ray'): {name} is pre-tokenized (.npy); it needs no tokenizing or packing on the "
+            "cluster: use engine='driver'"
+        )
+    if suffix in (".jsonl", ".parquet"):
+        return suffix[1:]
+    local = Path(name).expanduser()
+    if "://" not in name and (local.is_dir() or not local.exists()):
+        return "datasets"
+    return "text"
+
+
+@dataclass(frozen=True)
+class RayJob:
+    """The operators and options of one Ray Data run."""
+
+    tokenize: TokenizeOperator
+    pack: PackOperator
+    pack_window: int
+    source: str
+    kind: str
+    packing: Packing
+    seq_len: int
+    started: float
+
+    @classmethod
+    def of(
+        cls,
+        first: Any,
+        decoding: Decoding,
+        source: str,
+        seq_len: int,
+        tokenizer: TextTokenizer,
+        *,
+        text_field: str = "text",
+        messages_field: str = "messages",
+        prompt_field: str = "prompt",
+        completion_field: str = "completion",
+        packing: Packing = "document",
+        loss_on: LossOn = "assistant",
+        overlong: Overlong = "error",
+        chat_template: ChatTemplate | str | os.PathLike[str] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        pack_window: int | None = RAY_PACK_WINDOW,
+    ) -> RayJob:
+        """``first``: the dataset's first record (a one-row pyarrow table, None if empty) decides the kind."""
+        check_seq_len(seq_len)
+        check_pack_options(packing, overlong)
+        window = check_pack_window(pack_window)
+        if window is None:
+            raise ValueError("engine='ray' packs bounded windows: pack_window must be an int >= 1 (default 10000)")
+        records = [] if first is None else TokenizeOperator.records(first, decoding)
+        if not records:
+            raise ValueError(f"{source} is empty: it holds no records to train on")
+        fields = Fields(text=text_field, messages=messages_field, prompt=prompt_field, completion=completion_field)
+        kind = record_kind(records[0], fields)
+        if kind is None:
+            raise ValueError(f"{source} batch record 1 is neither a document ({text_field!r}) nor a conversation")
+        template, options = encoding_of(tokenizer, fields, loss_on, chat_template, template_kwargs)
+        encoder = ExampleEncoder(
+            tokenizer.tokenizer, tokenizer.eos_token_id, template, kind, options, source, "batch record"
+        )
+        pack = PackOperator(kind, source, seq_len, packing, overlong)
+        return cls(
+            TokenizeOperator(encoder, decoding), pack, window, source, kind, packing, seq_len, time.perf_counter()
+        )
+
+    def packed(self, tables: list[Any]) -> PackedData:
+        windows = packed_windows(tables, self.seq_len, self.pack_window)
+        report = DataReport(self.source, self.kind, self.packing, 0, tokenize_s=time.perf_counter() - self.started)
+        return packed_of_windows(windows, self.seq_len, report)
+
+
+def check_ray_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The driver engine's options the Ray engine has not: a ValueError naming them (``cache_dir=False``,
+    ``num_proc=None`` are fine)."""
+    rest = dict(options)
+    if rest.pop("cache_dir", None) not in (None, False):
+        raise ValueError("load_dataset(engine='ray') has no tokenization cache: leave cache_dir unset")
+    if rest.pop("num_proc", None) is not None:
+        raise ValueError("load_dataset(engine='ray'): num_proc is the driver engine's; Ray uses the cluster's CPUs")
+    return rest
+
+
+RayFormat = Literal["jsonl", "parquet", "text", "datasets"]

@@ -1,0 +1,84 @@
+"""The Ray Data engine on a real local Ray (actors/ray_data.py): the same records give the same rows, labels and
+document ids as the driver engine, for text and chat JSONL, Parquet, a ``datasets`` directory and a user's
+``ray.data.Dataset``; and a bad engine is one error before any work."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import raymoe
+from raymoe.driver.tiny import tiny_tokenizer
+
+WINDOW = 16
+
+
+def _chat(count: int) -> list[dict]:
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": "q" * (i * 7 % 23 + 1)},
+                {"role": "assistant", "content": "a" * (i % 9 + 1)},
+            ]
+        }
+        for i in range(count)
+    ]
+
+
+def _text(count: int) -> list[dict]:
+    return [{"text": "doc " + "t" * (i * 11 % 37)} for i in range(count)]
+
+
+def _same(a: raymoe.PackedData, b: raymoe.PackedData) -> None:
+    for name in ("input_ids", "attention_mask", "labels", "document_ids"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None), name
+        if x is not None:
+            assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("kind", ["text", "chat"])
+def test_jsonl_gives_the_driver_engines_rows(ray_session, tmp_path, kind):
+    records = _chat(45) if kind == "chat" else _text(45)
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tokenizer = tiny_tokenizer()
+    driver = raymoe.load_dataset(path, 96, tokenizer, cache_dir=False, pack_window=WINDOW)
+    ray = raymoe.load_dataset(path, 96, tokenizer, engine="ray", pack_window=WINDOW)
+    _same(driver, ray)
+    assert ray.report.examples == 45 and ray.report.rows == ray.num_sequences
+
+
+def test_parquet_and_a_datasets_directory_give_the_driver_engines_rows(ray_session, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    records = _chat(40)
+    tokenizer = tiny_tokenizer()
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "chat.parquet", row_group_size=7)
+    driver = raymoe.load_dataset(tmp_path / "chat.parquet", 96, tokenizer, cache_dir=False, pack_window=WINDOW)
+    _same(driver, raymoe.load_dataset(tmp_path / "chat.parquet", 96, tokenizer, engine="ray", pack_window=WINDOW))
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list(records).save_to_disk(str(saved))
+    _same(driver, raymoe.load_dataset(saved, 96, tokenizer, engine="ray", pack_window=WINDOW))
+
+
+def test_from_ray_dataset_packs_a_users_dataset(ray_session, tmp_path):
+    records = _chat(30)
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tokenizer = tiny_tokenizer()
+    driver = raymoe.load_dataset(path, 96, tokenizer, cache_dir=False, pack_window=WINDOW)
+    ds = ray_session.data.from_items(records)
+    _same(driver, raymoe.from_ray_dataset(ds, tokenizer=tokenizer, seq_len=96, pack_window=WINDOW))
+
+
+def test_bad_engines_and_options_are_one_clear_error(tmp_path):
+    with pytest.raises(ValueError, match=r"engine='spark': choose 'driver' \(the default\) or 'ray'"):
+        raymoe.load_dataset(tmp_path / "missing.jsonl", 96, tiny_tokenizer(), engine="spark")
+    with pytest.raises(ValueError, match=r"pre-tokenized \(\.npy\).*use engine='driver'"):
+        raymoe.load_dataset(tmp_path / "a.npy", 96, tiny_tokenizer(), engine="ray")
+    with pytest.raises(ValueError, match=r"num_proc is the driver engine's"):
+        raymoe.load_dataset(tmp_path / "a.jsonl", 96, tiny_tokenizer(), engine="ray", num_proc=2)
