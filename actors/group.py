@@ -247,14 +247,22 @@ class RayRankGroup:
         return self.execute_per_rank(fn, [args] * self._world_size, kwargs)
 
     def execute_per_rank(
-        self, fn: Callable[..., Any], args_of_rank: Sequence[tuple[Any, ...]], kwargs: dict[str, Any] | None = None
+        self,
+        fn: Callable[..., Any],
+        args_of_rank: Sequence[tuple[Any, ...]],
+        kwargs: dict[str, Any] | None = None,
+        objects_of_rank: Sequence[Sequence[Any]] | None = None,
     ) -> list[Any]:
-        """``fn(ctx, *args_of_rank[r], **kwargs)`` on each rank r; results in rank order."""
+        """``fn(ctx, *args_of_rank[r], *objects, **kwargs)`` on each rank r, ``objects`` the values of the object
+        references ``objects_of_rank[r]``: Ray resolves them on the rank's node (top-level task arguments), so they
+        never pass through the driver; results in rank order."""
         actors = self._live_actors()
         if len(args_of_rank) != len(actors):
             raise ValueError(f"execute_per_rank needs {len(actors)} argument tuples, got {len(args_of_rank)}")
+        objects = objects_of_rank if objects_of_rank is not None else [()] * len(actors)
         refs = [
-            actor.run.remote(fn, tuple(args), kwargs or {}) for actor, args in zip(actors, args_of_rank, strict=True)
+            actor.run.remote(fn, tuple(args), kwargs or {}, *refs)
+            for actor, args, refs in zip(actors, args_of_rank, objects, strict=True)
         ]
         return self._gather(getattr(fn, "__qualname__", repr(fn)), refs)
 

@@ -61,13 +61,15 @@ class RankActor:
         finally:
             self._call.function = None
 
-    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *objects: Any) -> Any:
+        """``fn(ctx, *args, *objects, **kwargs)``; ``objects`` came as object references, which Ray read on this
+        node before the call."""
         if self._ctx is None:
             return RankFailure("RuntimeError", "rank used before setup", "")
         ctx = self._ctx
         self._call.function, self._call.since = getattr(fn, "__qualname__", repr(fn)), time.monotonic()
         try:
-            return self._guarded(lambda: fn(ctx, *args, **kwargs))
+            return self._guarded(lambda: fn(ctx, *args, *objects, **kwargs))
         finally:
             self._call.function = None
 

@@ -1,5 +1,6 @@
-"""The Ray Data engine's pipeline (issue 35): read records on the cluster, tokenize and pack them with the pure
-operators of :mod:`raymoe.driver.data_operators` (handed in by ``raymoe/api.py``), and bring the packed rows back.
+"""The Ray Data engine's pipeline: read records on the cluster, tokenize and pack them with the pure
+operators of :mod:`raymoe.driver.data_operators` (handed in by ``raymoe/api.py``), and keep the packed rows in the
+object store, where the ranks read them.
 
     read        .jsonl: read_text (each line parsed by the tokenize operator, as the driver engine parses it)
                 .parquet: read_parquet; a datasets.Dataset: from_huggingface; other: read_binary_files (one
@@ -7,10 +8,10 @@ operators of :mod:`raymoe.driver.data_operators` (handed in by ``raymoe/api.py``
     tokenize    map_batches(tokenize, batch_format="pyarrow")
     window      repartition(target_num_rows_per_block=pack_window, strict=True): blocks of exactly pack_window
     pack        map_batches(pack, batch_size=pack_window): one row per window
-    collect     iter_batches on the driver, in order (the pipeline's DataContext: execution_options.preserve_order)
-
-The driver still receives every packed row in this version; streaming each data-parallel group's share to its
-ranks without the driver is not there yet.
+    blocks      one task per Ray Data block, in order (the pipeline's DataContext: execution_options.preserve_order),
+                where the block is: the block operator turns its windows into the rows the ranks read; the rows
+                stay in the object store, their references and the blocks' statistics come to the driver
+                (raymoe.driver.streamed_data.StreamedData); the ranks read their rows there (actors/rank.py)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import ray
 import ray.data
 
 Operator = Callable[[Any], Any]
+BlockOperator = Callable[[Any], tuple[Any, Any]]
 
 
 def read_records(path: str | None, fmt: str, dataset: Any = None) -> ray.data.Dataset:
@@ -44,10 +46,17 @@ def first_batch(records: ray.data.Dataset) -> Any:
     return None
 
 
-def tokenize_and_pack(
-    records: ray.data.Dataset, tokenize: Operator, pack: Operator, pack_window: int, progress: bool
-) -> list[Any]:
-    """The pack operator's output tables, in order (one row per packing window)."""
+def stream_blocks(
+    records: ray.data.Dataset,
+    tokenize: Operator,
+    pack: Operator,
+    to_block: BlockOperator,
+    pack_window: int,
+    progress: bool,
+) -> tuple[list[Any], list[Any]]:
+    """Each Ray Data block of packed windows, in order, as a block of rows in the object store (``to_block`` run
+    as one task per block, where the block is): the rows' references and the blocks' statistics. Only the
+    statistics come to this process."""
     packed = (
         records.map_batches(tokenize, batch_format="pyarrow", batch_size=1000)
         .repartition(target_num_rows_per_block=pack_window, strict=True)
@@ -56,7 +65,26 @@ def tokenize_and_pack(
     context = packed.context  # this dataset's own copy: the executor reads it, the user's dataset is left alone
     context.execution_options.preserve_order = True
     context.enable_progress_bars = progress
-    return [batch for batch in packed.iter_batches(batch_format="pyarrow", batch_size=None)]
+    blocks, stats = [], []
+    for bundle in packed.iter_internal_ref_bundles():
+        for entry, piece in zip(bundle.blocks, bundle.slices, strict=True):
+            span = None if piece is None else (piece.start_offset, piece.end_offset)
+            made: Any = _to_block.options(num_returns=2).remote(to_block, entry.ref, span)
+            blocks.append(made[0])
+            stats.append(made[1])
+    return blocks, ray.get(stats)
+
+
+@ray.remote(num_cpus=0.5)
+def _to_block(to_block: BlockOperator, table: Any, span: tuple[int, int] | None) -> tuple[Any, Any]:
+    if span is not None:
+        table = table.slice(span[0], span[1] - span[0])
+    return to_block(table)
+
+
+def fetch(blocks: list[Any]) -> list[Any]:
+    """Blocks read onto this process (``StreamedData.collect``)."""
+    return list(ray.get(blocks))
 
 
 def unwrap(error: BaseException) -> BaseException:

@@ -14,6 +14,7 @@ from raymoe.driver.interrupts import TrainingInterrupted
 from raymoe.driver.packing import PackedData
 from raymoe.driver.recovery import TrainingFailed
 from raymoe.driver.step_records import TrainSummary
+from raymoe.driver.streamed_data import StreamedData
 from raymoe.driver.tiny import build_tiny_checkpoint
 from raymoe.driver.tokenizer import TextTokenizer, load_tokenizer
 from raymoe.driver.trainer import Trainer
@@ -35,6 +36,7 @@ __all__ = [
     "OptimizerConfig",
     "PackedData",
     "ParallelStyle",
+    "StreamedData",
     "TextTokenizer",
     "Topology",
     "TrainSummary",

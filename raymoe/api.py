@@ -23,6 +23,7 @@ from raymoe.driver.packing import PackedData
 from raymoe.driver.plan import plan_memory
 from raymoe.driver.ray_engine import DECODING, RayJob, check_engine, check_ray_options, read_format
 from raymoe.driver.records import open_hub_dataset
+from raymoe.driver.streamed_data import StreamedData
 from raymoe.driver.tokenizer import TextTokenizer
 from raymoe.rank.contract import DEFAULT_COLLECTIVE_TIMEOUT_S, Backend
 from raymoe.rank.fake import FakeWorlds
@@ -196,13 +197,15 @@ def load_dataset(
     *,
     engine: str = "driver",
     **options: Any,
-) -> PackedData:
+) -> PackedData | StreamedData:
     """Read, tokenize and pack ``path`` (:func:`raymoe.driver.dataset.load_dataset` gives the options).
 
-    ``engine="driver"`` (the default) does it in this process (and its worker processes); ``engine="ray"`` reads,
-    tokenizes and packs as Ray Data operators on the cluster's CPUs (:mod:`raymoe.driver.ray_engine`,
-    ``actors/ray_data.py``): the same records give the same rows with the same ``pack_window`` (the Ray engine's
-    default: 10000 examples a window). The packed rows still come back to this process.
+    ``engine="driver"`` (the default) does it in this process (and its worker processes) and gives ``PackedData``.
+    ``engine="ray"`` reads, tokenizes and packs as Ray Data operators on the cluster's CPUs
+    (:mod:`raymoe.driver.ray_engine`, ``actors/ray_data.py``) and gives :class:`StreamedData`: the rows stay in
+    Ray's object store and each data-parallel batch's ranks read theirs there; this process holds references and
+    a few numbers a row. The same records give the same rows with the same ``pack_window`` (the Ray engine's
+    default: 10000 examples a window); ``StreamedData.collect()`` brings them here.
     """
     check_engine(engine)
     if engine == "driver":
@@ -220,25 +223,25 @@ def load_dataset(
     return _ray_packed(records, DECODING[fmt], name, seq_len, tokenizer, rest)
 
 
-def from_ray_dataset(dataset: Any, *, tokenizer: TextTokenizer, seq_len: int, **options: Any) -> PackedData:
+def from_ray_dataset(dataset: Any, *, tokenizer: TextTokenizer, seq_len: int, **options: Any) -> StreamedData:
     """A user's ``ray.data.Dataset`` of records (each row a document or a conversation, as in a ``.jsonl``)
     tokenized and packed on the cluster like ``load_dataset(engine="ray")`` (options: its packing and chat ones,
-    ``pack_window``, ``progress``). The packed rows come back to this process."""
+    ``pack_window``, ``progress``); the rows stay in Ray's object store."""
     return _ray_packed(dataset, "table", "ray dataset", seq_len, tokenizer, check_ray_options(options))
 
 
 def _ray_packed(
     records: Any, decoding: Any, name: str, seq_len: int, tokenizer: TextTokenizer, options: dict[str, Any]
-) -> PackedData:
-    from actors.ray_data import first_batch, tokenize_and_pack, unwrap
+) -> StreamedData:
+    from actors.ray_data import fetch, first_batch, stream_blocks, unwrap
 
     progress = bool(options.pop("progress", False))
     job = RayJob.of(first_batch(records), decoding, name, seq_len, tokenizer, **options)
     try:
-        tables = tokenize_and_pack(records, job.tokenize, job.pack, job.pack_window, progress)
+        blocks, stats = stream_blocks(records, job.tokenize, job.pack, job.to_block, job.pack_window, progress)
     except Exception as error:
         cause = unwrap(error)
         if cause is error:
             raise
         raise ValueError(str(cause)) from error
-    return job.packed(tables)
+    return job.streamed(blocks, stats, fetch)

@@ -9,7 +9,8 @@ Parquet or ``datasets`` row is ``to_pylist()``-ed exactly as the driver engine r
     PackOperator       a window of consecutive examples (those columns)
                        -> ONE row: input_ids, attention_mask, labels?, document_ids?: large_list<int64>
                           (the window's R rows flattened, R * seq_len), num_rows, examples, truncated, dropped
-    packed_windows     those rows, on the driver -> PackedWindow list (raymoe.driver.packing.packed_of_windows)
+    BlockOperator      a Ray Data block of those rows (its windows, in order) -> the block of rows the ranks read
+                       (input_ids, the targets, token_mask, document_ids: [R, seq_len]) and its BlockStats
 
 Tokenizing is :meth:`ExampleEncoder.encode`, packing :func:`raymoe.driver.row_packing.pack_window_rows`: the
 same code as the driver engine. Ray Data keeps no line numbers, so errors name a record by its place in its
@@ -23,9 +24,13 @@ import json
 from typing import Any, Literal
 
 import numpy as np
+import torch
+from torch import Tensor
 
 from raymoe.driver.example_encoder import ExampleEncoder
+from raymoe.driver.packing import PackedData
 from raymoe.driver.row_packing import Overlong, PackedWindow, Packing, pack_window_rows
+from raymoe.driver.streamed_data import BlockStats
 from raymoe.driver.tokenized import TokenizedExamples
 
 Decoding = Literal["json_lines", "text_file", "table"]
@@ -94,23 +99,6 @@ class PackOperator:
         return TokenizedExamples(self.kind, ids, labels, offsets, rows, self.source, "window example")  # type: ignore[arg-type]
 
 
-def packed_windows(tables: list[Any], seq_len: int, pack_window: int) -> list[PackedWindow]:
-    """The pack operator's rows (one per window, in order) as windows; every window but the last must hold
-    ``pack_window`` examples (a ``RuntimeError`` if Ray Data cut them otherwise: the rows would differ)."""
-    windows: list[PackedWindow] = []
-    sizes: list[int] = []
-    for table in tables:
-        for row in table.to_pylist():
-            ids, mask, labels, documents = (_rows(row.get(name), seq_len) for name in ROWS)
-            assert ids is not None and mask is not None
-            counts = {name: int(row[name]) for name in ("examples", "truncated", "dropped")}
-            windows.append(PackedWindow(ids, mask, labels, documents, **counts))
-            sizes.append(int(row["window_size"]))
-    if any(size != pack_window for size in sizes[:-1]):
-        raise RuntimeError(f"Ray Data gave packing windows of {sorted(set(sizes[:-1]))} examples, not {pack_window}")
-    return windows
-
-
 def _rows(values: list[int] | None, seq_len: int) -> np.ndarray | None:
     return None if values is None else np.asarray(values, dtype=np.int64).reshape(-1, seq_len)
 
@@ -130,3 +118,61 @@ def _flat(column: Any) -> tuple[np.ndarray, np.ndarray]:
     combined = column.combine_chunks()
     lengths = pc.list_value_length(combined).to_numpy(zero_copy_only=False).astype(np.int64)
     return pc.list_flatten(combined).to_numpy(zero_copy_only=False), lengths
+
+
+class BlockOperator:
+    """The pack operator's rows of one Ray Data block (its windows, in order) -> the block the ranks read and the
+    statistics the driver keeps (:mod:`raymoe.driver.streamed_data`)::
+
+        block   input_ids int32, labels int32 (the targets train_step trains on: -100 on padding, on document
+                starts and where loss_on leaves none), token_mask bool, document_ids int32 (document packing):
+                [R, seq_len]; document ids number the block's examples from 0 (-1 on padding)
+        stats   BlockStats: rows, label tokens per row, tokens, the largest id, each window's counts
+    """
+
+    def __init__(self, seq_len: int) -> None:
+        self.seq_len = seq_len
+
+    def __call__(self, table: Any) -> tuple[dict[str, np.ndarray], BlockStats]:
+        rows = table.to_pylist()
+        windows = [_window(row, self.seq_len) for row in rows]
+        block = block_of_windows(windows, self.seq_len)
+        return block, BlockStats.of_block(block, [_counts(row) for row in rows], [row["window_size"] for row in rows])
+
+
+def block_of_windows(windows: list[PackedWindow], seq_len: int) -> dict[str, np.ndarray]:
+    """Windows' rows one after another as the ranks' block (see :class:`BlockOperator`)."""
+    if not windows:
+        empty = np.zeros((0, seq_len), dtype=np.int32)
+        return {"input_ids": empty, "labels": empty, "token_mask": empty.astype(bool)}
+    ids, mask = (torch.from_numpy(np.concatenate([getattr(w, n) for w in windows])) for n in ROWS[:2])
+    data = PackedData(ids, mask, _joined(windows, "labels"), _joined(windows, "document_ids"))
+    block = {
+        "input_ids": data.input_ids.numpy().astype(np.int32),
+        "labels": data.targets().numpy().astype(np.int32),
+        "token_mask": (data.attention_mask != 0).numpy(),
+    }
+    if data.document_ids is not None:
+        block["document_ids"] = data.document_ids.numpy().astype(np.int32)
+    return block
+
+
+def _joined(windows: list[PackedWindow], name: str) -> Tensor | None:
+    """The windows' ``name`` rows one after another; document ids go on from the previous window's."""
+    parts = [getattr(window, name) for window in windows]
+    if parts[0] is None:
+        return None
+    if name == "document_ids":
+        firsts = np.cumsum([0, *(window.examples for window in windows)])
+        parts = [np.where(part >= 0, part + first, part) for part, first in zip(parts, firsts, strict=False)]
+    return torch.from_numpy(np.concatenate(parts))
+
+
+def _window(row: dict[str, Any], seq_len: int) -> PackedWindow:
+    ids, mask, labels, documents = (_rows(row.get(name), seq_len) for name in ROWS)
+    assert ids is not None and mask is not None
+    return PackedWindow(ids, mask, labels, documents, **_counts(row))
+
+
+def _counts(row: dict[str, Any]) -> dict[str, int]:
+    return {name: int(row[name]) for name in ("examples", "truncated", "dropped")}

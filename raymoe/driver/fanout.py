@@ -82,15 +82,29 @@ class FanOut:
         except RuntimeError:  # shut down: the lease refuses every call
             return False
 
-    def per_batch(self, fn: Callable[..., Any], args_of_batch: Sequence[tuple[Any, ...]]) -> list[Any]:
-        """``fn(ctx, *args_of_batch[b])`` on every rank of batch ``b``; each batch's answer, in batch order."""
-        return one_per_batch(self.to_batches(fn, args_of_batch), self.topology)
+    def per_batch(
+        self,
+        fn: Callable[..., Any],
+        args_of_batch: Sequence[tuple[Any, ...]],
+        objects_of_batch: Sequence[Sequence[Any]] | None = None,
+    ) -> list[Any]:
+        """``fn(ctx, *args_of_batch[b])`` on every rank of batch ``b``; each batch's answer, in batch order.
+        ``objects_of_batch[b]``: object-store references the ranks of batch ``b`` read (their values follow the
+        arguments)."""
+        return one_per_batch(self.to_batches(fn, args_of_batch, objects_of_batch), self.topology)
 
-    def to_batches(self, fn: Callable[..., Any], args_of_batch: Sequence[tuple[Any, ...]]) -> list[Any]:
+    def to_batches(
+        self,
+        fn: Callable[..., Any],
+        args_of_batch: Sequence[tuple[Any, ...]],
+        objects_of_batch: Sequence[Sequence[Any]] | None = None,
+    ) -> list[Any]:
         """``fn(ctx, *args_of_batch[b])`` on every rank of batch ``b``; every rank's return value, in rank order."""
         if len(args_of_batch) != self.topology.config.dp_size:
             raise ValueError(f"{len(args_of_batch)} argument tuples for {self.topology.config.dp_size} batches")
-        return self._ranks().execute_per_rank(fn, [args_of_batch[c.batch] for c in self.topology.ranks])
+        ranks = self.topology.ranks
+        objects = None if objects_of_batch is None else [objects_of_batch[c.batch] for c in ranks]
+        return self._ranks().execute_per_rank(fn, [args_of_batch[c.batch] for c in ranks], None, objects)
 
     def every_rank(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """``fn(ctx, *args)`` on every rank; the answers in rank order."""

@@ -45,8 +45,15 @@ class RankGroup(Protocol):
     def execute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]: ...
 
     def execute_per_rank(
-        self, fn: Callable[..., Any], args_of_rank: Sequence[tuple[Any, ...]], kwargs: dict[str, Any] | None = None
-    ) -> list[Any]: ...
+        self,
+        fn: Callable[..., Any],
+        args_of_rank: Sequence[tuple[Any, ...]],
+        kwargs: dict[str, Any] | None = None,
+        objects_of_rank: Sequence[Sequence[Any]] | None = None,
+    ) -> list[Any]:
+        """``fn(ctx, *args_of_rank[r], *objects, **kwargs)`` on each rank ``r``: ``objects_of_rank[r]`` are references
+        into Ray's object store, read on the rank's node (their values follow the arguments)."""
+        ...
 
     def replacement(self) -> RankGroup: ...
 

@@ -5,6 +5,7 @@ concerns in rooms of their own.
       inference.Inference               __call__ (logits), generate, generate_stream
       loaded_view.LoadedView            what was loaded: topology, plans, lora, precision, describe (inherited)
       rl_methods.ReinforcementMethods   logprobs, iter_hub_weights, push_weights (RL; inherited)
+      streamed_methods.StreamedMethods  train_step_streamed, evaluate_streamed (rows in Ray's object store)
       training.TrainingSession          configure_training, train_step (policy losses: policy.py), evaluate
       hub_save.save_pretrained          save_pretrained
       states.TrainingStates             save_state, wait_for_save, check_state, load_state
@@ -41,6 +42,7 @@ from raymoe.driver.policy import prepare_policy
 from raymoe.driver.rl_methods import ReinforcementMethods
 from raymoe.driver.routes import check_routes
 from raymoe.driver.states import CheckedState, TrainingStates
+from raymoe.driver.streamed_methods import StreamedMethods
 from raymoe.driver.tenancy import RankLease
 from raymoe.driver.training import TrainingSession
 from raymoe.models.common.config import ModelConfig
@@ -54,7 +56,7 @@ from raymoe.spec.policy import PolicyLossFn
 from raymoe.spec.shared_paths import SharedPath, read_path, remove_marker, write_path
 
 
-class DistributedModel(LoadedView, ReinforcementMethods):
+class DistributedModel(LoadedView, ReinforcementMethods, StreamedMethods):
     """A model sharded over rank processes. Use as a context manager, or call :meth:`shutdown`."""
 
     def __init__(self, spec: LaunchSpec, group: RankGroup, load_reports: list[LoadReport], *, owns_group: bool) -> None:

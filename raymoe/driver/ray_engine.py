@@ -4,12 +4,12 @@ runs (the pipeline is ``actors/ray_data.py``, composed by ``raymoe/api.py``)::
     check_engine(engine)            "driver" or "ray", else one ValueError before any work
     read_format(path)               jsonl | parquet | datasets | text (by suffix; a local directory or hub id:
                                     a datasets split, loaded here and handed to Ray Data); .npy: a ValueError
-    RayJob.of(first record, ...)    the record kind, the tokenize and pack operators, the window
-    RayJob.packed(tables)           the packed windows -> PackedData (+ report)
+    RayJob.of(first record, ...)    the record kind, the tokenize, pack and block operators, the window
+    RayJob.streamed(blocks, stats)  the blocks' references and statistics -> StreamedData (+ report)
 
-The Ray engine tokenizes and packs on the cluster's CPUs, but the driver still receives every packed row in this
-version (streaming each data-parallel group's share to its ranks without the driver is not there yet). It has no
-tokenization cache, and ``num_proc`` is the driver engine's: both are ValueErrors here, never ignored.
+The Ray engine tokenizes and packs on the cluster's CPUs and leaves the rows there: the driver keeps references and
+a few numbers a row (:mod:`raymoe.driver.streamed_data`). It has no tokenization cache, and ``num_proc`` is the
+driver engine's: both are ValueErrors here, never ignored.
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from raymoe.driver.chat import ChatTemplate
-from raymoe.driver.data_operators import RAY_PACK_WINDOW, Decoding, PackOperator, TokenizeOperator, packed_windows
+from raymoe.driver.data_operators import RAY_PACK_WINDOW, BlockOperator, Decoding, PackOperator, TokenizeOperator
 from raymoe.driver.dataset import encoding_of
 from raymoe.driver.example_encoder import ExampleEncoder, LossOn
-from raymoe.driver.packing import DataReport, Overlong, PackedData, Packing, check_seq_len, packed_of_windows
+from raymoe.driver.packing import DataReport, Overlong, Packing, check_seq_len
 from raymoe.driver.records import Fields, record_kind
 from raymoe.driver.row_packing import check_pack_options, check_pack_window
+from raymoe.driver.streamed_data import BlockStats, Fetch, StreamedData
 from raymoe.driver.tokenizer import TextTokenizer
 
 ENGINES = ("driver", "ray")
@@ -112,10 +113,46 @@ class RayJob:
             TokenizeOperator(encoder, decoding), pack, window, source, kind, packing, seq_len, time.perf_counter()
         )
 
-    def packed(self, tables: list[Any]) -> PackedData:
-        windows = packed_windows(tables, self.seq_len, self.pack_window)
-        report = DataReport(self.source, self.kind, self.packing, 0, tokenize_s=time.perf_counter() - self.started)
-        return packed_of_windows(windows, self.seq_len, report)
+    @property
+    def to_block(self) -> BlockOperator:
+        return BlockOperator(self.seq_len)
+
+    def streamed(self, blocks: list[Any], stats: list[BlockStats], fetch: Fetch) -> StreamedData:
+        """The pipeline's blocks as :class:`StreamedData`; every window but the last must hold ``pack_window``
+        examples (a ``RuntimeError`` if Ray Data cut them otherwise: the rows would differ from the driver's)."""
+        sizes = [size for s in stats for size in s.window_sizes]
+        if any(size != self.pack_window for size in sizes[:-1]):
+            raise RuntimeError(
+                f"Ray Data gave packing windows of {sorted(set(sizes[:-1]))} examples, not {self.pack_window}"
+            )
+        tokens = sum(s.tokens for s in stats)
+        examples = sum(s.examples for s in stats)
+        if examples == 0 or tokens < 2:
+            raise ValueError(
+                f"{self.source} is empty: after dropping what exceeds seq_len={self.seq_len}, nothing is left"
+            )
+        report = DataReport(
+            self.source,
+            self.kind,
+            self.packing,
+            examples,
+            truncated=sum(s.truncated for s in stats),
+            dropped=sum(s.dropped for s in stats),
+            tokens=tokens,
+            label_tokens=sum(int(s.label_tokens.sum()) for s in stats),
+            rows=sum(s.rows for s in stats),
+            seq_len=self.seq_len,
+            tokenize_s=time.perf_counter() - self.started,
+        )
+        kept = [(block, s) for block, s in zip(blocks, stats, strict=True) if s.rows]
+        return StreamedData.of_blocks(
+            [block for block, _ in kept],
+            [s for _, s in kept],
+            self.seq_len,
+            fetch,
+            has_labels=self.kind == "chat",
+            report=report,
+        )
 
 
 def check_ray_options(options: Mapping[str, Any]) -> dict[str, Any]:

@@ -35,18 +35,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from torch import Tensor
 from tqdm import tqdm
 
 from raymoe.checkpoint.storage import Location, child
 from raymoe.checkpoint.training_state import state_dir_name
-from raymoe.driver.batch import check_input_ids
-from raymoe.driver.batch_order import batch_indices
 from raymoe.driver.interrupts import StopRequests, TrainingInterrupted
 from raymoe.driver.local_paths import storage_path
 from raymoe.driver.metrics import MetricsLog, plot_metrics
-from raymoe.driver.packing import PackedData
 from raymoe.driver.recovery import Decision, FailurePolicy, RestartRecord, cause_of
 from raymoe.driver.resume import position, resume_step, warn_changed_settings
 from raymoe.driver.run_directory import LATEST
@@ -54,7 +50,7 @@ from raymoe.driver.step_records import TrainSummary, progress_postfix, step_reco
 from raymoe.driver.tokenizer import TextTokenizer
 from raymoe.driver.trackers import Trackers
 from raymoe.driver.trainer_config import TrainerConfig, check_int
-from raymoe.models.common.loss import IGNORE_INDEX
+from raymoe.driver.training_data import TrainData, rows_of
 
 if TYPE_CHECKING:
     from raymoe.driver.handle import DistributedModel
@@ -68,20 +64,20 @@ class Trainer:
     def __init__(
         self,
         model: DistributedModel,
-        train_data: PackedData | Tensor | np.ndarray,
+        train_data: TrainData,
         config: TrainerConfig,
         *,
-        eval_data: PackedData | Tensor | np.ndarray | None = None,
+        eval_data: TrainData | None = None,
         tokenizer: TextTokenizer | None = None,
     ) -> None:
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
-        self.train_data = PackedData.of(train_data)
-        self.eval_data = PackedData.of(eval_data) if eval_data is not None else None
-        self._check_data(self.train_data, "train data", min_rows=config.global_batch_size)
+        self.train_data = rows_of(train_data)  # on the driver, or in Ray's object store (training_data)
+        self.eval_data = rows_of(eval_data) if eval_data is not None else None
+        self.train_data.check("train data", model.model_config, min_rows=config.global_batch_size)
         if self.eval_data is not None:
-            self._check_data(self.eval_data, "eval data", min_rows=1)
+            self.eval_data.check("eval data", model.model_config, min_rows=1)
         self._check_batch_layout()
         if config.save_adapter and model.lora is None:
             raise ValueError(
@@ -127,30 +123,9 @@ class Trainer:
         self.log = MetricsLog(self.run.metrics, keep_through_step=kept, on_append=self.trackers.log)
 
     def _batches_from(self, step: int) -> Iterator[Tensor]:
-        return batch_indices(self.train_data.num_sequences, self.config.global_batch_size, self.config.seed, step)
+        return self.train_data.batches(self.config.global_batch_size, self.config.seed, step)
 
     # --- checks, all before the first step ---------------------------------------------------------
-
-    def _check_data(self, data: PackedData, name: str, min_rows: int) -> None:
-        config = self.model.model_config
-        if data.seq_len > config.max_position_embeddings:
-            raise ValueError(
-                f"{name}: seq_len={data.seq_len} exceeds the model's max_position_embeddings="
-                f"{config.max_position_embeddings}; pack into rows of at most that many tokens"
-            )
-        check_input_ids(data.input_ids, config.vocab_size, name=name)
-        if data.labels is not None:
-            bad = (data.labels != IGNORE_INDEX) & ((data.labels < 0) | (data.labels >= config.vocab_size))
-            if bool(bad.any()):
-                raise ValueError(f"{name}: labels must be token ids in [0, {config.vocab_size}) or {IGNORE_INDEX}")
-        if data.num_label_tokens == 0:
-            raise ValueError(f"{name}: no token takes loss (every label is -100, padding or a document start)")
-        if data.num_sequences < min_rows:
-            need = f"global_batch_size={self.config.global_batch_size} needs" if name == "train data" else "needs"
-            raise ValueError(
-                f"{name}: {data.num_sequences} sequences of {data.seq_len} tokens, but {need} at least {min_rows}; "
-                "use more data, a shorter seq_len or a smaller global_batch_size"
-            )
 
     def _check_batch_layout(self) -> None:
         dp_size = self.model.topology.config.dp_size
@@ -283,17 +258,10 @@ class Trainer:
             self.log.append(record.record())
 
     def _train_one_step(self) -> dict[str, Any]:
-        batch = self.train_data.rows(next(self._batches))
+        indices = next(self._batches)
         lr = self.schedule.lr_at(self.step)
         start = time.perf_counter()
-        metrics = self.model.train_step(
-            batch.input_ids,
-            labels=batch.labels,
-            attention_mask=batch.attention_mask,
-            lr=lr,
-            micro_batches=self.config.gradient_accumulation_steps,
-            document_ids=batch.document_ids,
-        )
+        metrics = self.train_data.train_step(self.model, indices, lr, self.config.gradient_accumulation_steps)
         self.step += 1
         self.trackers.note_step(self.step, metrics)
         return step_record(self.step, metrics, time.perf_counter() - start)
@@ -317,36 +285,17 @@ class Trainer:
         self.log.append({"step": step, "eval_loss": loss})
         return loss
 
-    def evaluate(self, data: PackedData | Tensor | np.ndarray | None = None) -> float:
-        """Mean loss over every label token of ``data`` (default: the eval data), forward only."""
-        packed = PackedData.of(data) if data is not None else self.eval_data
-        if packed is None:
+    def evaluate(self, data: TrainData | None = None) -> float:
+        """Mean loss over every label token of ``data`` (default: the eval data), forward only; in global batches,
+        a short last one filled with all-padding rows, one without label tokens skipped."""
+        rows = rows_of(data) if data is not None else self.eval_data
+        if rows is None:
             raise ValueError("evaluate() needs data: pass it, or give the Trainer eval_data")
         if data is not None:
-            self._check_data(packed, "eval data", min_rows=1)
-        loss_sum, num_tokens = 0.0, 0
-        for chunk in self._eval_chunks(packed):
-            result = self.model.evaluate(
-                chunk.input_ids,
-                labels=chunk.labels,
-                attention_mask=chunk.attention_mask,
-                micro_batches=self.config.gradient_accumulation_steps,
-                document_ids=chunk.document_ids,
-            )
-            loss_sum += result["loss_sum"]
-            num_tokens += result["num_tokens"]
+            rows.check("eval data", self.model.model_config, min_rows=1)
+        accum = self.config.gradient_accumulation_steps
+        loss_sum, num_tokens = rows.evaluate(self.model, self.config.global_batch_size, accum)
         return loss_sum / num_tokens
-
-    def _eval_chunks(self, data: PackedData) -> Iterator[PackedData]:
-        """Global batches of the eval rows; a short last one is filled with masked rows (they add no tokens);
-        a batch without label tokens (all answers elsewhere) is skipped."""
-        size = self.config.global_batch_size
-        least = self.model.topology.config.dp_size * self.config.gradient_accumulation_steps
-        for start in range(0, data.num_sequences, size):
-            chunk = data.rows(slice(start, start + size))
-            if chunk.num_label_tokens == 0:
-                continue
-            yield chunk.with_blank_rows(least - chunk.num_sequences)
 
     def save(self, path: str | Path | Location | None = None) -> Location:
         """Write the model (hub layout, by rank 0 on its node; a LoRA model merged) and the tokenizer; default

@@ -7,6 +7,8 @@ What the ranks train with lives here, on the driver, as the settings they were g
     global_batch(ids, labels, mask, docs)        the checked global batch (labels, padding, packing)
     train_step(batch, micro, lr)                 split by data-parallel batch into micro-batches -> train_step
     evaluate(batch, micro)                       the same split -> eval_loss, summed over batches
+    train_step_streamed / evaluate_streamed      a StreamedBatch: each batch's ranks read its rows from Ray's
+                                                 object store (rank/block_rows.py), never from this process
 
 The loss is the mean over all label tokens of the global batch (counted here): each batch's rank returns
 its summed token loss and the sums add up, whatever the layout.
@@ -25,7 +27,9 @@ from raymoe.driver.batch import GlobalBatch, check_sequence_length, make_global_
 from raymoe.driver.fanout import FanOut, split_batch_rows
 from raymoe.driver.policy import PolicyStep, policy_metrics
 from raymoe.driver.routing import DeadExperts, aux_loss_value, expert_load_metrics
+from raymoe.driver.streamed_data import StreamedBatch
 from raymoe.models.common.config import ModelConfig
+from raymoe.rank.block_rows import eval_loss_on_blocks, train_step_on_blocks
 from raymoe.rank.contract import MicroBatch, StepResult
 from raymoe.rank.evaluate import eval_loss
 from raymoe.rank.train import configure_optimizer, train_step
@@ -119,7 +123,7 @@ class TrainingSession:
     ) -> dict[str, Any]:
         """One optimizer step on the global batch (see ``DistributedModel.train_step`` for what it returns); a
         ``policy`` loss (RL) instead of cross-entropy; replayed ``routes [B, S, L_moe, K]``."""
-        optimizer = self.require_optimizer("train_step")
+        self.require_optimizer("train_step")
         if lr is not None:
             check_lr(lr)
         if policy is not None and policy.policy.is_callable and self.fanout.topology.config.splits_sequences:
@@ -135,19 +139,36 @@ class TrainingSession:
                 "balance='bias' or 'none', or use a built-in loss"
             )
         micro_of_batch = self.micro_batches(batch, micro_batches, policy.fields if policy else None, routes)
-        self._check_pipeline_pieces(batch.input_ids.shape[0], micro_batches, micro_of_batch)
+        sizes = [micro.input_ids.shape[0] for micros in micro_of_batch for micro in micros]
+        self._check_pipeline_pieces(batch.input_ids.shape[0], micro_batches, sizes)
         divisor = policy.normalizer if policy is not None else batch.num_label_tokens
         loss = policy.policy if policy is not None else None
         args = [(micro, divisor, lr, loss) for micro in micro_of_batch]
         firsts: list[StepResult] = self.fanout.per_batch(train_step, args)
+        return self._step_metrics(firsts, batch.num_label_tokens, lr, policy)
+
+    def train_step_streamed(self, batch: StreamedBatch, lr: float | None) -> dict[str, Any]:
+        """:meth:`train_step` on a global batch whose rows stay in Ray's object store (cross-entropy)."""
+        self.require_optimizer("train_step")
+        if lr is not None:
+            check_lr(lr)
+        self._check_streamed(batch)
+        args = [(rows, batch.num_label_tokens, lr) for rows in batch.rows]
+        firsts: list[StepResult] = self.fanout.per_batch(train_step_on_blocks, args, batch.blocks)
+        return self._step_metrics(firsts, batch.num_label_tokens, lr, None)
+
+    def _step_metrics(
+        self, firsts: list[StepResult], num_label_tokens: int, lr: float | None, policy: PolicyStep | None
+    ) -> dict[str, Any]:
+        optimizer = self.require_optimizer("train_step")
         self.step += 1
         if lr is not None:
             self.optimizer = optimizer = optimizer.with_lr(lr)
         if policy is not None:
             metrics = policy_metrics(policy, firsts)
         else:
-            lm_loss = sum(r.loss_sum for r in firsts) / batch.num_label_tokens
-            metrics = {"loss": lm_loss, "lm_loss": lm_loss, "num_tokens": batch.num_label_tokens}
+            lm_loss = sum(r.loss_sum for r in firsts) / num_label_tokens
+            metrics = {"loss": lm_loss, "lm_loss": lm_loss, "num_tokens": num_label_tokens}
         metrics["grad_norm"] = firsts[0].grad_norm  # the global norm: the same on every rank
         metrics["lr"] = optimizer.lr
         objective = metrics["loss"]
@@ -158,8 +179,34 @@ class TrainingSession:
     def evaluate(self, batch: GlobalBatch, micro_batches: int) -> dict[str, Any]:
         micro_of_batch = self.micro_batches(batch, micro_batches)
         results: list[float] = self.fanout.per_batch(eval_loss, [(micro,) for micro in micro_of_batch])
-        loss_sum = sum(results)
-        return {"loss": loss_sum / batch.num_label_tokens, "loss_sum": loss_sum, "num_tokens": batch.num_label_tokens}
+        return self._eval_metrics(sum(results), batch.num_label_tokens)
+
+    def evaluate_streamed(self, batch: StreamedBatch) -> dict[str, Any]:
+        """:meth:`evaluate` on a global batch whose rows stay in Ray's object store."""
+        self._check_streamed(batch)
+        results: list[float] = self.fanout.per_batch(eval_loss_on_blocks, [(r,) for r in batch.rows], batch.blocks)
+        return self._eval_metrics(sum(results), batch.num_label_tokens)
+
+    @staticmethod
+    def _eval_metrics(loss_sum: float, num_label_tokens: int) -> dict[str, Any]:
+        return {"loss": loss_sum / num_label_tokens, "loss_sum": loss_sum, "num_tokens": num_label_tokens}
+
+    def _check_streamed(self, batch: StreamedBatch) -> None:
+        """What :meth:`global_batch` and :func:`split_micro_batches` check, from the batch's row counts."""
+        check_sequence_length(batch.seq_len, self.config.max_position_embeddings)
+        self.fanout.topology.config.check_sequence_length(batch.seq_len)
+        if batch.num_label_tokens == 0:
+            raise ValueError("the batch has no label tokens (all labels are -100 or masked)")
+        sizes = []
+        for rows in batch.rows:
+            micro = rows.micro_batches
+            if rows.num_rows < micro:
+                raise ValueError(
+                    f"micro_batches={micro} needs at least that many rows per data-parallel rank, "
+                    f"and a rank holds {rows.num_rows}; use a larger global batch or fewer micro-batches"
+                )
+            sizes += [len(part) for part in torch.tensor_split(torch.arange(rows.num_rows), micro)]
+        self._check_pipeline_pieces(batch.num_rows, batch.rows[0].micro_batches, sizes)
 
     def micro_batches(
         self,
@@ -183,13 +230,13 @@ class TrainingSession:
             )
         ]
 
-    def _check_pipeline_pieces(self, rows: int, micro_batches: int, micro_of_batch: list[list[MicroBatch]]) -> None:
+    def _check_pipeline_pieces(self, rows: int, micro_batches: int, micro_sizes: list[int]) -> None:
         """Under pipeline parallelism each rank's micro-batch is cut into ``pp_microbatches`` equal pieces."""
         config = self.fanout.topology.config
         pieces = config.pp_microbatches
         if config.pp_size == 1 or pieces is None:
             return
-        sizes = sorted({micro.input_ids.shape[0] for micros in micro_of_batch for micro in micros})
+        sizes = sorted(set(micro_sizes))
         if any(size % pieces for size in sizes):
             raise ValueError(
                 f"pp_microbatches={pieces} must divide the rows of every micro-batch a rank runs: the global batch "

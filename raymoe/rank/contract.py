@@ -67,6 +67,23 @@ class MicroBatch:
 
 
 @dataclass(frozen=True)
+class BlockRows:
+    """A data-parallel batch's rows of a global batch whose rows stay in Ray's object store (``StreamedData``):
+    row ``i`` is row ``rows[i]`` of block ``blocks[i]``, a position among the blocks sent with the call (-1: an
+    all-padding row that adds no token), cut into ``micro_batches`` consecutive micro-batches. A block holds
+    ``input_ids``, ``labels`` (the targets), ``token_mask`` and, for document packing, ``document_ids``, each
+    ``[R, S]`` (``raymoe.driver.data_operators.BlockOperator``)."""
+
+    blocks: Any  # np.ndarray [B] int32
+    rows: Any  # np.ndarray [B] int32
+    micro_batches: int = 1
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+
+@dataclass(frozen=True)
 class StepResult:
     """One rank's share of a step: its summed token loss, the global gradient norm before clipping (the same on
     every rank), and (the answering rank of a batch, MoE models) of its rows: pairs per expert ``[L, E]``, dropped

@@ -90,8 +90,17 @@ class LocalRankGroup:
             ) from error
 
     def execute_per_rank(
-        self, fn: Callable[..., Any], args_of_rank: Sequence[tuple[Any, ...]], kwargs: dict[str, Any] | None = None
+        self,
+        fn: Callable[..., Any],
+        args_of_rank: Sequence[tuple[Any, ...]],
+        kwargs: dict[str, Any] | None = None,
+        objects_of_rank: Sequence[Sequence[Any]] | None = None,
     ) -> list[Any]:
+        if objects_of_rank is not None:
+            raise ValueError(
+                "rows in Ray's object store (load_dataset(engine='ray'), from_ray_dataset) need ranks on Ray; this "
+                "world of one runs in the calling process: load the data with engine='driver'"
+            )
         if len(args_of_rank) != 1:
             raise ValueError(f"execute_per_rank needs 1 argument tuple, got {len(args_of_rank)}")
         return self.execute(fn, *args_of_rank[0], **(kwargs or {}))

@@ -33,12 +33,19 @@ def _text(count: int) -> list[dict]:
     return [{"text": "doc " + "t" * (i * 11 % 37)} for i in range(count)]
 
 
-def _same(a: raymoe.PackedData, b: raymoe.PackedData) -> None:
-    for name in ("input_ids", "attention_mask", "labels", "document_ids"):
+def _same(a: raymoe.PackedData, streamed: raymoe.StreamedData) -> None:
+    """The rows stay in the object store: only their references and counts are here; collected, they are the
+    driver engine's rows (labels: the targets, which equal the driver's labels wherever those take loss)."""
+    assert isinstance(streamed, raymoe.StreamedData)
+    assert streamed.num_sequences == a.num_sequences and streamed.num_label_tokens == a.num_label_tokens
+    b = streamed.collect()
+    for name in ("input_ids", "attention_mask", "document_ids"):
         x, y = getattr(a, name), getattr(b, name)
         assert (x is None) == (y is None), name
         if x is not None:
             assert torch.equal(x, y), name
+    assert (a.labels is None) == (b.labels is None)
+    assert torch.equal(a.targets(), b.targets())
 
 
 @pytest.mark.parametrize("kind", ["text", "chat"])
@@ -51,6 +58,7 @@ def test_jsonl_gives_the_driver_engines_rows(ray_session, tmp_path, kind):
     ray = raymoe.load_dataset(path, 96, tokenizer, engine="ray", pack_window=WINDOW)
     _same(driver, ray)
     assert ray.report.examples == 45 and ray.report.rows == ray.num_sequences
+    assert ray.report.label_tokens == driver.num_label_tokens
 
 
 def test_parquet_and_a_datasets_directory_give_the_driver_engines_rows(ray_session, tmp_path):

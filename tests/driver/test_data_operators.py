@@ -1,5 +1,6 @@
-"""The Ray Data engine's operators without Ray: a batch of records tokenized and a window packed give what the
-driver engine gives for the same records."""
+"""The Ray Data engine's operators without Ray: a batch of records tokenized, windows packed and Ray Data blocks
+of windows made into the ranks' blocks give what the driver engine gives for the same records; a block's rows are
+the targets train_step trains on, and its statistics count what train_step counts."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import json
 import pyarrow as pa
 import torch
 
-from raymoe.driver.data_operators import PackOperator, TokenizeOperator, packed_windows
+from raymoe.driver.data_operators import BlockOperator, PackOperator, TokenizeOperator
 from raymoe.driver.dataset import load_dataset
 from raymoe.driver.example_encoder import EncodeOptions, ExampleEncoder
-from raymoe.driver.packing import DataReport, packed_of_windows
+from raymoe.driver.streamed_data import StreamedData
 from raymoe.driver.tiny import tiny_tokenizer
 
 
@@ -40,8 +41,17 @@ def test_operators_on_windows_give_the_driver_engines_rows(tmp_path):
     lines = pa.table({"text": [json.dumps(r) for r in records]})
     examples = pa.concat_tables([tokenize(lines.slice(0, 13)), tokenize(lines.slice(13))])
     pack = PackOperator("chat", "x", 96, "document", "error")
-    tables = [pack(examples.slice(at, 8)) for at in range(0, 30, 8)]
-    windows = packed_windows(tables, 96, 8)
-    data = packed_of_windows(windows, 96, DataReport("x", "chat", "document", 0))
-    for name in ("input_ids", "attention_mask", "labels", "document_ids"):
-        assert torch.equal(getattr(data, name), getattr(reference, name)), name
+    windows = [pack(examples.slice(at, 8)) for at in range(0, 30, 8)]
+    # Ray Data blocks of 1, 2 and 1 windows, and one of them sliced out of a larger table
+    tables = [windows[0], pa.concat_tables(windows[1:3]), pa.concat_tables(windows[2:]).slice(1)]
+    made = [BlockOperator(96)(table) for table in tables]
+    assert [s.window_sizes for _, s in made] == [(8,), (8, 8), (6,)]
+    data = StreamedData.of_blocks([b for b, _ in made], [s for _, s in made], 96, lambda refs: refs, has_labels=True)
+    assert data.num_sequences == reference.num_sequences
+    assert data.num_label_tokens == reference.num_label_tokens
+    collected = data.collect()
+    for name in ("input_ids", "attention_mask", "document_ids"):
+        assert torch.equal(getattr(collected, name), getattr(reference, name)), name
+    assert torch.equal(collected.labels, reference.targets())
+    assert torch.equal(collected.targets(), reference.targets())
+    assert data.id_range == (int(reference.input_ids.min()), int(reference.input_ids.max()))

@@ -10,6 +10,7 @@ import torch
 
 import raymoe
 from raymoe import DistributedConfig, DistributedModel, PackedData, Trainer, TrainerConfig
+from raymoe.driver.training_data import rows_of
 from raymoe.rank.local import LocalRankError, LocalRankGroup
 from raymoe.spec.launch import prepare_launch
 
@@ -136,7 +137,7 @@ def test_without_restarts_the_failure_is_raised_as_it_is_and_a_live_model_is_not
         assert not model.is_alive
     with owned_local_model(tiny) as model:  # a bad batch fails on the driver: the ranks live, nothing restarts
         trainer = Trainer(model, rows(), config(tmp_path / "alive", max_failures=3))
-        trainer.train_data = PackedData.from_rows(torch.full((16, SEQ), 999))
+        trainer.train_data = rows_of(PackedData.from_rows(torch.full((16, SEQ), 999)))
         with pytest.raises(ValueError, match=r"input_ids must be token ids in \[0, 264\)"):
             trainer.fit()
         assert model.is_alive and trainer.restarts == 0
