@@ -121,7 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("driver", "ray"),
         default="driver",
         help="driver: tokenize and pack in this process (cached); ray: as Ray Data operators on the cluster's CPUs, "
-        "the packed rows then sent to this process (default: %(default)s)",
+        "the packed rows left in Ray's object store, where the ranks read them (default: %(default)s)",
     )
     data.add_argument(
         "--pack-window",
@@ -529,8 +529,10 @@ def run(args: argparse.Namespace) -> tuple[raymoe.TrainSummary, Lora | None]:
     data = load_data(args, tokenizer)
     check_seq_len(data.seq_len, model_config)  # packed .npy rows bring their own length
     layout.check_sequence_length(data.seq_len)
-    # Pre-tokenized data may hold any integer: checked here, before Ray starts, as the handle would later.
-    check_input_ids(data.input_ids, model_config.vocab_size, f"dataset {args.dataset}")
+    # Pre-tokenized data may hold any integer: checked here, before Ray starts, as the handle would later (rows in
+    # Ray's object store were tokenized by the model's tokenizer; the Trainer checks their id range).
+    if isinstance(data, raymoe.PackedData):
+        check_input_ids(data.input_ids, model_config.vocab_size, f"dataset {args.dataset}")
     train_data, eval_data = data.split(args.eval_fraction)
     name = EMBEDDED_MODEL if args.model is None else args.model
     print(f"model {name}, layout {sizes}, {data.num_sequences} sequences of {data.seq_len} tokens from {args.dataset}")
@@ -552,8 +554,11 @@ def run(args: argparse.Namespace) -> tuple[raymoe.TrainSummary, Lora | None]:
         return trainer.fit(), lora
 
 
-def load_data(args: argparse.Namespace, tokenizer: raymoe.TextTokenizer | None) -> raymoe.PackedData:
-    """The dataset, tokenized (chat data rendered with the chat template) and packed as the options say."""
+def load_data(
+    args: argparse.Namespace, tokenizer: raymoe.TextTokenizer | None
+) -> raymoe.PackedData | raymoe.StreamedData:
+    """The dataset, tokenized (chat data rendered with the chat template) and packed as the options say; with
+    ``--data-engine ray`` on the cluster, the rows left in Ray's object store."""
     window = {} if args.pack_window is None else {"pack_window": args.pack_window}
     if args.data_engine == "ray":
         return raymoe.load_dataset(

@@ -188,9 +188,11 @@ def test_bad_input_is_one_error_before_any_step(ray_session, finetune, tmp_path,
 
 
 @pytest.mark.slow
-def test_chat_data_trains_on_the_assistant_answers_only(ray_session, finetune, tmp_path, capsys):
+@pytest.mark.parametrize("engine", ["driver", "ray"])
+def test_chat_data_trains_on_the_assistant_answers_only(ray_session, finetune, tmp_path, capsys, engine):
     """--dataset chat.jsonl on the embedded model: the label tokens of a step over every row are exactly the
-    assistant answers' bytes and one <|im_end|> each, counted by hand over the file (byte-level tokenizer)."""
+    assistant answers' bytes and one <|im_end|> each, counted by hand over the file (byte-level tokenizer); also
+    with --data-engine ray, whose rows stay in Ray's object store."""
     import raymoe
 
     lines = (SCRIPT.parent / "data" / "chat.jsonl").read_text().splitlines()[:24]
@@ -203,6 +205,7 @@ def test_chat_data_trains_on_the_assistant_answers_only(ray_session, finetune, t
     ).num_sequences
     out = tmp_path / "run"
     argv = ["--dataset", str(chat), "--eval-fraction", "0", "--global-batch-size", str(rows), "--steps", "2"]
+    argv += ["--data-engine", engine, *(["--no-cache"] if engine == "ray" else [])]
     assert finetune.main([*argv, "--output-dir", str(out), "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert f"data: 24 conversations -> {rows} rows of 128 tokens; document packing" in printed
