@@ -8,6 +8,8 @@
     raymoe export --merge STATE_DIR OUT_DIR --base BASE [--max-shard-size BYTES]
         the hub checkpoint of BASE (the checkpoint the LoRA state was trained on) with its adapters merged in
         (:func:`raymoe.driver.adapter_export.export_merged`)
+    STATE_DIR and OUT_DIR may be storage URLs (s3://bucket/run/states/step-00000100): a state is read where its
+    commit marker points, a checkpoint written locally and uploaded (:mod:`raymoe.checkpoint.upload`)
 
     raymoe plan MODEL --gpus N --gpu-memory 80GB [--nodes K] [--seq-len S] [--batch B] [--lora-r R]
                 [--quantized-experts mxfp4] [--precision P] [--layout tp=4,fsdp=2,ep=4,ep_mode=masking ...] [--json]
@@ -34,11 +36,12 @@ from torch import nn
 
 from raymoe.checkpoint.export import export_state
 from raymoe.checkpoint.staging import CheckpointSaveError
+from raymoe.checkpoint.storage import StorageUrl
 from raymoe.checkpoint.training_state import TrainingStateError
 from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE
 from raymoe.driver.adapter_export import export_adapter, export_merged
 from raymoe.driver.candidate_layouts import masked_ep_plan
-from raymoe.driver.local_paths import path_flag
+from raymoe.driver.local_paths import storage_flag
 from raymoe.driver.memory_plan import MemoryPlan
 from raymoe.driver.plan import plan_memory
 from raymoe.models.registry import build_model, parse_model_config
@@ -72,14 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "state_dir",
         metavar="STATE_DIR",
-        type=path_flag("STATE_DIR"),
-        help="the training state directory (with raymoe_state.json)",
+        type=storage_flag("STATE_DIR", write=False),
+        help="the training state directory (with raymoe_state.json), or a storage URL (s3://...) a state was saved to",
     )
     export.add_argument(
         "out_dir",
         metavar="OUT_DIR",
-        type=path_flag("OUT_DIR"),
-        help="the checkpoint directory to write (created or replaced)",
+        type=storage_flag("OUT_DIR"),
+        help="the checkpoint directory to write (created or replaced), or a storage URL to upload it to",
     )
     export.add_argument(
         "--max-shard-size",
@@ -196,7 +199,7 @@ def _plan(args: argparse.Namespace) -> MemoryPlan:
     )
 
 
-def _export(args: argparse.Namespace) -> list[Path]:
+def _export(args: argparse.Namespace) -> list[Path] | list[str]:
     if args.merge:
         return export_merged(args.state_dir, args.out_dir, args.base, max_shard_size=args.max_shard_size)
     if args.adapter:
@@ -214,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "only with --merge"
                 )
             files = _export(args)
-            print(files[0].parent if files else args.out_dir)
+            print(Path(files[0]).parent if files and not isinstance(args.out_dir, StorageUrl) else args.out_dir)
         else:
             planned = _plan(args)
             print(json.dumps(planned.to_json(), indent=2) if args.json else planned.table())

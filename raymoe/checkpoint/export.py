@@ -8,13 +8,16 @@ The state's entries have their natural global shapes (``model.model.layers.0.mlp
 ``[E, 2 * I, H]`` whatever layout saved it), so reading one needs no process group; ``save_model`` splits
 fused parameters into per-expert hub tensors and swaps the directory in whole
 (:mod:`raymoe.checkpoint.writer`). The optimizer moments and RNG states are not read.
+
+Either side may be a storage URL (:mod:`raymoe.checkpoint.storage`): a state at a URL is read where its commit
+marker points (DCP's fsspec reader, one entry at a time, as from a directory); a checkpoint for a URL is written
+into a local scratch directory, then uploaded (:func:`~raymoe.checkpoint.upload.save_to_url`).
 """
 
 from __future__ import annotations
 
-import os
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +25,12 @@ import torch
 from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import load as dcp_load
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from raymoe.checkpoint.model_io import save_model
 from raymoe.checkpoint.staging import CheckpointSaveError
+from raymoe.checkpoint.storage import Location, StorageUrl, UserPath
 from raymoe.checkpoint.training_state import (
     StateManifest,
     TrainingStateError,
@@ -33,7 +38,9 @@ from raymoe.checkpoint.training_state import (
     model_key,
     read_manifest,
     read_metadata,
+    resolve_state,
 )
+from raymoe.checkpoint.upload import save_to_url
 from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE
 from raymoe.models.registry import build_model, parse_model_config
 
@@ -43,11 +50,11 @@ _SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uniniti
 
 
 def export_state(
-    state_dir: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
+    state_dir: UserPath,
+    out_dir: UserPath,
     *,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-) -> list[Path]:
+) -> list[Path] | list[str]:
     """Write the model weights of the training state ``state_dir`` as a hub checkpoint into ``out_dir``.
 
     Every parameter is written in the dtype ``save_pretrained`` of the model would write (the manifest's
@@ -63,9 +70,9 @@ def export_state(
     model type, every entry's shape, every data file present and long enough); a bad state raises a
     :class:`TrainingStateError` naming ``state_dir`` and writes nothing. Writing is all or nothing, and
     files of ``out_dir`` the export does not write (a tokenizer) are kept (:func:`save_model`); a failure
-    there is a :class:`CheckpointSaveError`. Returns the weight files written.
+    there is a :class:`CheckpointSaveError`. Returns the weight files written (their URLs, for a URL).
     """
-    state_dir = Path(state_dir)
+    state_dir = state_location(state_dir)
     manifest = read_manifest(state_dir)
     refuse_export_into_itself(state_dir, out_dir)
     if manifest.lora is not None:
@@ -81,18 +88,38 @@ def export_state(
     metadata = read_metadata(state_dir)
     model = build_model(config, device="meta", dtype=_stored_dtype(metadata, _DTYPE_ENTRY) or torch.float32)
     check_training_state(state_dir, model, config.model_type, with_optimizer=False)
-    tensors = read_entries(state_dir, model.named_parameters())
-    return save_model(
-        model, out_dir, max_shard_size=max_shard_size, tensors=tensors, dtype=written_dtype(manifest, state_dir)
-    )
+    dtype = written_dtype(manifest, state_dir)
+
+    def write(local: Path) -> list[Path]:
+        tensors = read_entries(state_dir, model.named_parameters())
+        return save_model(model, local, max_shard_size=max_shard_size, tensors=tensors, dtype=dtype)
+
+    return write_into(out_dir, write)
 
 
-def refuse_export_into_itself(state_dir: Path, out_dir: str | os.PathLike[str]) -> None:
-    if Path(out_dir).resolve() == state_dir.resolve():
+def state_location(state_dir: UserPath) -> Location:
+    """Where a state's files are: its directory, or on a storage URL the generation its commit marker names."""
+    return resolve_state(state_dir if isinstance(state_dir, StorageUrl) else Path(state_dir))
+
+
+def write_into(out_dir: UserPath, write: Callable[[Path], list[Path]]) -> list[Path] | list[str]:
+    """``write(directory)`` into ``out_dir``; for a storage URL into a local scratch directory, then uploaded."""
+    if isinstance(out_dir, StorageUrl):
+        return save_to_url(out_dir, write)
+    return write(Path(out_dir))
+
+
+def refuse_export_into_itself(state_dir: Location, out_dir: UserPath) -> None:
+    """``out_dir`` may not be the state (on a URL: the directory whose committed generation ``state_dir`` is)."""
+    if isinstance(state_dir, Path) and not isinstance(out_dir, StorageUrl):
+        same = Path(out_dir).resolve() == state_dir.resolve()
+    else:  # a URL state is a generation under the directory the user named
+        same = str(out_dir) in (str(state_dir), str(state_dir.parent) if isinstance(state_dir, StorageUrl) else "")
+    if same:
         raise CheckpointSaveError(f"cannot export training state {state_dir} into itself; name another directory")
 
 
-def written_dtype(manifest: StateManifest, state_dir: Path) -> torch.dtype | None:
+def written_dtype(manifest: StateManifest, state_dir: Location) -> torch.dtype | None:
     """The dtype ``save_pretrained`` would write the state's model in (its manifest's ``checkpoint_dtype``)."""
     named = manifest.checkpoint_dtype
     written = getattr(torch, named, None) if named else None
@@ -106,10 +133,14 @@ def _stored_dtype(metadata: Metadata, key: str) -> torch.dtype | None:
     return entry.properties.dtype if isinstance(entry, TensorStorageMetadata) else None
 
 
-def read_entries(state_dir: Path, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+def read_entries(state_dir: Location, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
     """``(name, full tensor)`` of the state's ``model.<name>`` entry for every ``(name, tensor)`` of ``named`` (a
     meta model's parameters: their global shapes), read one at a time, in the dtype the state stores."""
-    reader = _MetadataOnceReader(state_dir)
+    reader: FileSystemReader = (
+        _MetadataOnceFsspecReader(str(state_dir))
+        if isinstance(state_dir, StorageUrl)
+        else _MetadataOnceReader(state_dir)
+    )
     metadata = reader.read_metadata()
     for name, param in named:
         key = model_key(name)
@@ -130,9 +161,7 @@ class _MetadataOnceReader(FileSystemReader):
     """A ``FileSystemReader`` that unpickles ``.metadata`` once: DCP reads it on every ``load``, and the
     index of a large state (every chunk of every entry) would otherwise be read once per parameter."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        super().__init__(path)
-        self._metadata: Metadata | None = None
+    _metadata: Metadata | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if args or kwargs:  # a rank's own metadata file: not cached
@@ -140,3 +169,7 @@ class _MetadataOnceReader(FileSystemReader):
         if self._metadata is None:
             self._metadata = super().read_metadata()
         return self._metadata
+
+
+class _MetadataOnceFsspecReader(FsspecReader, _MetadataOnceReader):
+    """:class:`_MetadataOnceReader` of a storage URL (DCP's fsspec reader: its filesystem, the same reads)."""

@@ -21,11 +21,18 @@ from pathlib import Path
 from torch import Tensor
 
 from raymoe.checkpoint.adapter import write_adapter
-from raymoe.checkpoint.export import read_entries, refuse_export_into_itself, written_dtype
+from raymoe.checkpoint.export import (
+    read_entries,
+    refuse_export_into_itself,
+    state_location,
+    write_into,
+    written_dtype,
+)
 from raymoe.checkpoint.fingerprint import fingerprint_base
 from raymoe.checkpoint.hub import resolve_checkpoint
 from raymoe.checkpoint.model_io import reader_for, save_model
 from raymoe.checkpoint.reader import CheckpointReader
+from raymoe.checkpoint.storage import Location, UserPath
 from raymoe.checkpoint.training_state import StateManifest, TrainingStateError, check_training_state, read_manifest
 from raymoe.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE
 from raymoe.models.common.config import read_config_file
@@ -35,49 +42,54 @@ from raymoe.models.registry import build_model, parse_model_config
 from raymoe.spec.lora import LoraConfig, LoraSpec, add_adapters, resolve_lora
 
 
-def export_adapter(state_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> list[Path]:
+def export_adapter(state_dir: UserPath, out_dir: UserPath) -> list[Path] | list[str]:
     """Write the adapters of the LoRA training state ``state_dir`` as a PEFT adapter directory ``out_dir`` (what
-    ``save_adapter`` writes); returns the files written."""
-    state_dir = Path(state_dir)
-    manifest, model, lora = _lora_model(state_dir, out_dir)
-    tensors = dict(read_entries(state_dir, adapter_parameters(model)))
+    ``save_adapter`` writes); returns the files written. Either may be a storage URL, as for ``export_state``."""
+    state = state_location(state_dir)
+    manifest, model, lora = _lora_model(state, out_dir)
+    tensors = dict(read_entries(state, adapter_parameters(model)))
     source = manifest.base.source if manifest.base is not None else None
-    return write_adapter(out_dir, lora.config.to_peft_dict(source), lora.targets, tensors)
+    return write_into(
+        out_dir, lambda local: write_adapter(local, lora.config.to_peft_dict(source), lora.targets, tensors)
+    )
 
 
 def export_merged(
-    state_dir: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
+    state_dir: UserPath,
+    out_dir: UserPath,
     base: str | os.PathLike[str],
     *,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-) -> list[Path]:
+) -> list[Path] | list[str]:
     """Write the hub checkpoint of ``base`` with the adapters of the LoRA state ``state_dir`` merged in (``W + s B
     A``, what ``save_pretrained`` of the LoRA model writes) into ``out_dir``; returns the weight files written.
 
     ``base`` (a directory or a hub id) must be the checkpoint the state was trained on: its config and sampled
     tensors are compared with the state's fingerprint first, and a mismatch is a :class:`TrainingStateError`
     that writes nothing."""
-    state_dir = Path(state_dir)
-    manifest, model, lora = _lora_model(state_dir, out_dir)
+    state = state_location(state_dir)
+    manifest, model, lora = _lora_model(state, out_dir)
     directory = resolve_checkpoint(base)
     found = fingerprint_base(str(base), read_config_file(directory), directory)
     if manifest.base is not None and manifest.base.differences(found):
         raise TrainingStateError(
-            f"--base {base} is not the checkpoint training state {state_dir} was trained on "
+            f"--base {base} is not the checkpoint training state {state} was trained on "
             f"({manifest.base.source}): {'; '.join(manifest.base.differences(found))}"
         )
     with reader_for(directory, model) as reader:
         frozen = frozen_base_names(model)
         params = dict(model.named_parameters())
         reader.check({name: params[name].shape for name in frozen}, model_name=type(model).__name__)
-        tensors = merge_stream(_base_and_state(reader, state_dir, model, frozen), lora.targets)
-        return save_model(
-            model, out_dir, max_shard_size=max_shard_size, tensors=tensors, dtype=written_dtype(manifest, state_dir)
-        )
+        dtype = written_dtype(manifest, state)
+
+        def write(local: Path) -> list[Path]:
+            tensors = merge_stream(_base_and_state(reader, state, model, frozen), lora.targets)
+            return save_model(model, local, max_shard_size=max_shard_size, tensors=tensors, dtype=dtype)
+
+        return write_into(out_dir, write)
 
 
-def _lora_model(state_dir: Path, out_dir: str | os.PathLike[str]) -> tuple[StateManifest, CausalLM, LoraSpec]:
+def _lora_model(state_dir: Location, out_dir: UserPath) -> tuple[StateManifest, CausalLM, LoraSpec]:
     """The state's manifest, its model on meta with the adapters, and the adapters' spec; checked against the state."""
     manifest = read_manifest(state_dir)
     refuse_export_into_itself(state_dir, out_dir)
@@ -100,7 +112,7 @@ def _lora_model(state_dir: Path, out_dir: str | os.PathLike[str]) -> tuple[State
 
 
 def _base_and_state(
-    reader: CheckpointReader, state_dir: Path, model: CausalLM, frozen: set[str]
+    reader: CheckpointReader, state_dir: Location, model: CausalLM, frozen: set[str]
 ) -> Iterator[tuple[str, Tensor]]:
     """Every parameter in the model's order: a frozen base weight from the base checkpoint, anything else (the
     factors, a moved selection bias) from the state (one reader of it, in the same order)."""

@@ -71,13 +71,13 @@ def path_flag(flag: str) -> Callable[[str], Path]:
     return parse
 
 
-def storage_flag(flag: str) -> Callable[[str], Path | StorageUrl]:
+def storage_flag(flag: str, *, write: bool = True) -> Callable[[str], Path | StorageUrl]:
     """:func:`path_flag` of a flag that takes a storage URL too (``finetune.py --output-dir s3://bucket/run``):
-    :func:`storage_path` for writing, its error the flag's one usage error."""
+    :func:`storage_path` for writing (or reading: ``write=False``), its error the flag's one usage error."""
 
     def parse(text: str) -> Path | StorageUrl:
         try:
-            return storage_path(text, flag, write=True)
+            return storage_path(text, flag, write=write)
         except ValueError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
 

@@ -66,15 +66,18 @@ def test_a_path_flag_is_one_usage_error_for_a_url(tmp_path):
         parse("s3://b/r")
 
 
-def test_export_refuses_a_storage_url_and_from_pretrained_takes_a_file_url(tiny_checkpoint, capsys):
+def test_export_refuses_an_unknown_url_and_from_pretrained_takes_a_file_url(tiny_checkpoint, capsys):
     from raymoe.checkpoint.hub import resolve_checkpoint
     from raymoe.cli import main
 
     directory = tiny_checkpoint("moe_e8_k2_mha")
     assert resolve_checkpoint(f"file://{directory}") == directory
     with pytest.raises(SystemExit):
-        main(["export", "s3://b/state", "/tmp/x"])
-    assert "STATE_DIR='s3://b/state' is a s3:// URL; STATE_DIR takes a local path only" in capsys.readouterr().err
+        main(["export", "nosuch://b/state", "/tmp/x"])
+    assert "STATE_DIR='nosuch://b/state'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["export", "/tmp/state", "hf://org/model"])
+    assert "OUT_DIR='hf://org/model'" in capsys.readouterr().err
 
 
 def test_a_url_cache_dir_is_one_error(tiny_checkpoint):

@@ -217,3 +217,23 @@ def test_two_ranks_on_one_node_fetch_a_url_checkpoint_once(load_on_world, tiny_c
         torch.testing.assert_close(model(PROBE), expected, rtol=0, atol=0)
     copy = cache / "raymoe-storage" / "s3" / url.removeprefix("s3://")
     assert "model.safetensors" in json.loads((copy / FETCHED_FILE).read_text())
+
+
+def test_raymoe_export_reads_a_state_and_writes_a_checkpoint_at_urls(load_local, tiny_checkpoint, s3_bucket, tmp_path):
+    """``raymoe export s3://.../state s3://.../hub``: the state read where its marker points, the checkpoint uploaded;
+    the same files as a local export of a local copy of that state; exporting into the state itself is refused."""
+    from raymoe.checkpoint.export import export_state
+    from raymoe.cli import main
+
+    url = f"{s3_bucket}/run/state"
+    with _trained(load_local, tiny_checkpoint, steps=2) as model:
+        model.save_state(url)
+        model.save_state(tmp_path / "state")
+    assert main(["export", url, f"{s3_bucket}/hub"]) == 0
+    export_state(tmp_path / "state", tmp_path / "hub")
+    fs = fsspec.filesystem("s3")
+    uploaded = {Path(p).name: fs.cat(p) for p in fs.find(f"{s3_bucket.removeprefix('s3://')}/hub")}
+    local = {p.name: p.read_bytes() for p in (tmp_path / "hub").iterdir() if p.is_file()}
+    assert uploaded.keys() == local.keys() and "config.json" in uploaded
+    assert all(uploaded[name] == local[name] for name in local if name.endswith(".safetensors"))
+    assert main(["export", url, url]) == 2
