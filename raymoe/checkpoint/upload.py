@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from raymoe.checkpoint.staging import CheckpointSaveError
@@ -35,12 +35,14 @@ def save_to_url(target: StorageUrl, write: Callable[[Path], list[Path]]) -> list
     return [str(target.join(path.name)) for path in weights]
 
 
-def upload_directory(local: Path, target: StorageUrl, *, replace_weights: bool = True) -> None:
-    """Every file under ``local`` to the same place under ``target``: safetensors shards first (in parallel), then
-    the other files; then (``replace_weights``: ``local`` is a whole checkpoint) the weight files of an earlier
-    checkpoint there that this one does not have are removed."""
+def upload_directory(
+    local: Path, target: StorageUrl, *, replace_weights: bool = True, only: Collection[Path] | None = None
+) -> None:
+    """Every file under ``local`` (or those of ``only``) to the same place under ``target``: safetensors shards
+    first (in parallel), then the other files; then (``replace_weights``: ``local`` is a whole checkpoint) the
+    weight files of an earlier checkpoint there that this one does not have are removed."""
     fs = target.filesystem()
-    files = sorted(path for path in local.rglob("*") if path.is_file())
+    files = sorted(path for path in local.rglob("*") if path.is_file() and (only is None or path in only))
     shards = [path for path in files if path.suffix == ".safetensors"]
     rest = [path for path in files if path.suffix != ".safetensors"]
     try:

@@ -55,8 +55,10 @@ class RunDirectory:
     """The files of one run under ``output_dir`` (made absolute on the driver, or a checked storage URL:
     ``remote``, the driver's files then in the local mirror ``root``)."""
 
-    def __init__(self, output_dir: UserPath) -> None:
-        where = storage_path(output_dir, "output_dir", write=True)
+    def __init__(self, output_dir: UserPath, *, checked: Location | None = None) -> None:
+        """``checked``: ``output_dir`` as :func:`storage_path` already resolved it (no second probe of a URL)."""
+        where = checked if checked is not None else storage_path(output_dir, "output_dir", write=True)
+        self._published: dict[Path, tuple[int, int]] = {}  # mirror file -> (size, mtime) when last uploaded
         self.remote = where if isinstance(where, StorageUrl) else None
         self.root = where if isinstance(where, Path) else _mirror(where)
         self.where: Location = where  # output_dir as the user knows it
@@ -162,15 +164,26 @@ class RunDirectory:
                 fs.get_file(self.remote.join(name).path, str(self.root / name))
 
     def publish(self) -> None:
-        """On a URL: the mirror's files (metrics, plot, trackers' local stores) uploaded to it; nothing locally."""
-        if self.remote is not None:
-            upload_directory(self.root, self.remote, replace_weights=False)
+        """On a URL: the mirror's files (metrics, plot, trackers' local stores) that changed since the last publish
+        uploaded to it; nothing locally."""
+        if self.remote is None:
+            return
+        now = {path: _stamp(path) for path in self.root.rglob("*") if path.is_file()}
+        changed = [path for path, stamp in now.items() if self._published.get(path) != stamp]
+        if changed:
+            upload_directory(self.root, self.remote, replace_weights=False, only=set(changed))
+        self._published.update({path: now[path] for path in changed})
 
 
 def _mirror(remote: StorageUrl) -> Path:
     """The driver's local directory for a URL run's own files: one per URL, in the temporary directory."""
     digest = hashlib.sha256(str(remote).encode()).hexdigest()[:16]
     return Path(tempfile.gettempdir()) / "raymoe-runs" / f"{remote.name}-{digest}"
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
 
 
 def _size(location: Location) -> int:

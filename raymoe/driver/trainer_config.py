@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from raymoe.checkpoint.storage import Location, StorageUrl
@@ -92,6 +92,7 @@ class TrainerConfig:
     report_to: str | Sequence[str] = "none"
     logging_dir: str | os.PathLike[str] | None = None
     run_name: str | None = None
+    _output: Location = field(init=False, repr=False, compare=False)  # output_dir resolved once (_check_paths)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "report_to", resolve_report_to(self.report_to))
@@ -139,8 +140,8 @@ class TrainerConfig:
         local path. A bad one is a ``ValueError`` here, never a local folder named ``s3:``."""
         if not isinstance(self.output_dir, str | os.PathLike | StorageUrl) or not str(self.output_dir):
             raise ValueError(f"TrainerConfig: output_dir={self.output_dir!r} must be a directory path")
-        try:
-            storage_path(self.output_dir, "output_dir", write=True)
+        try:  # resolved (and a URL probed) once: run_directory() takes it from here
+            object.__setattr__(self, "_output", storage_path(self.output_dir, "output_dir", write=True))
             if self.resume_from is not None and self.resume_from != LATEST:
                 storage_path(self.resume_from, "resume_from", write=False)
             if self.logging_dir is not None:
@@ -167,7 +168,7 @@ class TrainerConfig:
         return tuple(self.report_to)
 
     def run_directory(self) -> RunDirectory:
-        return RunDirectory(self.output_dir)
+        return RunDirectory(self.output_dir, checked=self._output)
 
     def check_output_dir(self) -> Location | None:
         """What ``output_dir`` holds, against ``resume_from`` and ``overwrite``, on the driver and without writing:

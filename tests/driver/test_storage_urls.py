@@ -237,3 +237,35 @@ def test_raymoe_export_reads_a_state_and_writes_a_checkpoint_at_urls(load_local,
     assert uploaded.keys() == local.keys() and "config.json" in uploaded
     assert all(uploaded[name] == local[name] for name in local if name.endswith(".safetensors"))
     assert main(["export", url, url]) == 2
+
+
+def test_a_url_output_dir_is_probed_once_and_publish_uploads_what_changed(s3_bucket, monkeypatch):
+    """TrainerConfig resolves (and probes) a URL output_dir once, its run directories reuse it; publish uploads the
+    mirror's files that changed since the last publish, and nothing when none did."""
+    from raymoe import TrainerConfig
+    from raymoe.driver import local_paths, run_directory
+
+    probes, uploads = [], []
+    probe = local_paths.check_reachable
+    monkeypatch.setattr(local_paths, "check_reachable", lambda *a, **k: (probes.append(a[0]), probe(*a, **k))[1])
+    upload = run_directory.upload_directory
+    monkeypatch.setattr(
+        run_directory,
+        "upload_directory",
+        lambda *a, **k: (uploads.append(sorted(p.name for p in k["only"])), upload(*a, **k))[1],
+    )
+    config = TrainerConfig(output_dir=f"{s3_bucket}/run", steps=2)
+    run = config.run_directory()
+    assert config.check_output_dir() is None
+    assert len(probes) == 1
+    run.open_mirror(resumed=False)
+    run.metrics.write_text('{"step": 1}\n')
+    (run.root / "tb").mkdir()
+    (run.root / "tb" / "events").write_bytes(b"x" * 10)
+    run.publish()
+    run.publish()  # nothing changed
+    run.metrics.write_text('{"step": 1}\n{"step": 2}\n')
+    run.publish()
+    assert uploads == [["events", "metrics.jsonl"], ["metrics.jsonl"]]
+    fs = fsspec.filesystem("s3")
+    assert fs.cat(f"{s3_bucket.removeprefix('s3://')}/run/metrics.jsonl").count(b"step") == 2
