@@ -116,6 +116,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="training steps at world 4 (0: none)")
     parser.add_argument("--batch", type=int, default=8, help="global batch size of those steps")
     parser.add_argument("--cpus-per-rank", type=float, default=0.5)
+    parser.add_argument("--engines", default="driver,ray", help="which engines to run, in order (default: both)")
     parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # engine, path: run one engine in this process
     args = parser.parse_args()
     if args.one:
@@ -128,7 +129,7 @@ def main() -> None:
               f"pack_window {args.pack_window}, Ray CPUs {args.ray_cpus}")  # fmt: skip
         print("| engine | seconds | conversations/s | packed rows | driver peak RSS MiB | steps/s (world 4) | "
               "step ms | driver data ms/step |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
-        for engine in ("driver", "ray"):
+        for engine in args.engines.split(","):
             command = [sys.executable, __file__, "--one", engine, str(path), "--seq-len", str(args.seq_len),
                        "--pack-window", str(args.pack_window), "--ray-cpus", str(args.ray_cpus),
                        "--steps", str(args.steps), "--batch", str(args.batch),
