@@ -35,7 +35,7 @@ def _text(count: int) -> list[dict]:
 
 def _same(a: raymoe.PackedData, streamed: raymoe.StreamedData) -> None:
     """The rows stay in the object store: only their references and counts are here; collected, they are the
-    driver engine's rows (labels: the targets, which equal the driver's labels wherever those take loss)."""
+    driver engine's rows."""
     assert isinstance(streamed, raymoe.StreamedData)
     assert streamed.num_sequences == a.num_sequences and streamed.num_label_tokens == a.num_label_tokens
     b = streamed.collect()
@@ -45,6 +45,8 @@ def _same(a: raymoe.PackedData, streamed: raymoe.StreamedData) -> None:
         if x is not None:
             assert torch.equal(x, y), name
     assert (a.labels is None) == (b.labels is None)
+    if a.labels is not None:  # a block keeps the targets; for chat rows they are the labels
+        assert torch.equal(a.labels, b.labels)
     assert torch.equal(a.targets(), b.targets())
 
 
