@@ -91,7 +91,8 @@ class Trainer:
         start = config.check_output_dir()
         checked = model.check_state(start) if start is not None else None
         model.check_shared(self.run.shared_paths())  # the ranks write state shards there
-        self.step = resume_step(checked, config, self.train_data.num_sequences) if checked is not None else 0
+        rows, order = self.train_data.num_sequences, self.train_data.data_order
+        self.step = resume_step(checked, config, rows, order) if checked is not None else 0
         self.resumed_from = start
         if start is None and config.resume_from == LATEST:
             held = self.run.earlier_run()
@@ -241,7 +242,7 @@ class Trainer:
         state = self.run.latest_state()
         if state is not None:
             checked = self.model.check_state(state)
-            self.step = resume_step(checked, self.config, self.train_data.num_sequences)
+            self.step = resume_step(checked, self.config, self.train_data.num_sequences, self.train_data.data_order)
             self.model.load_state(checked)
         else:
             self.step = 0
@@ -325,7 +326,8 @@ class Trainer:
         (and prune after it), as does the handle's ``shutdown``."""
         self._finish_state_save()
         target = child(self.states_dir, state_dir_name(self.step))
-        extra = {"trainer": position(self.step, self.config, self.train_data.num_sequences)}
+        rows, order = self.train_data.num_sequences, self.train_data.data_order
+        extra = {"trainer": position(self.step, self.config, rows, order)}
         path = self.model.save_state(target, async_save=self.config.async_save, extra=extra)
         self._last_state = path
         if self.config.async_save:

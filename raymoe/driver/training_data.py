@@ -15,6 +15,7 @@ rows of which blocks each data-parallel batch takes (``model.train_step_streamed
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -66,6 +67,7 @@ class DriverRows:
     """Rows the driver holds (``PackedData``); each step sends its rows to the ranks."""
 
     data: PackedData
+    data_order = "rows"  # one seeded shuffle of every row per epoch (a state records it: resume)
 
     @property
     def num_sequences(self) -> int:
@@ -123,6 +125,12 @@ class ObjectStoreRows:
     @property
     def num_sequences(self) -> int:
         return self.data.num_sequences
+
+    @property
+    def data_order(self) -> str:
+        """Shuffled by block: the order depends on which rows share a block (a digest of each row's block)."""
+        digest = hashlib.sha256(np.ascontiguousarray(self.data.block_of_row, dtype=np.int32).tobytes()).hexdigest()
+        return f"blocks:{digest[:16]}"
 
     def check(self, name: str, config: ModelConfig, min_rows: int) -> None:
         check_fits(name, self.data.seq_len, config)

@@ -91,6 +91,8 @@ def test_a_run_resumed_mid_epoch_on_another_layout_continues_the_straight_one(lo
         Trainer(model, train, _config(tmp_path / "resumed", save_state_every=4), eval_data=held_out).fit(6)
     with load_on_world(tiny, {"tp_size": 2}) as model:
         config = _config(tmp_path / "resumed", save_state_every=4, resume_from="latest")
+        with pytest.raises(ValueError, match=r"data_order=rows here, but the saved run had data_order=blocks:"):
+            Trainer(model, train.collect(), config)  # the same rows from the driver: another order, refused
         resumed = Trainer(model, train, config, eval_data=held_out)
         assert resumed.step == 4
         resumed.fit()

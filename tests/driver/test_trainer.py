@@ -307,6 +307,7 @@ def test_keep_last_and_async_save(load_local, tiny, tmp_path):
                 "seed": 0,
                 "train_rows": 16,
                 "steps": 6,
+                "data_order": "rows",
             }
         }
     )
