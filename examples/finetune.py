@@ -560,30 +560,11 @@ def load_data(
     """The dataset, tokenized (chat data rendered with the chat template) and packed as the options say; with
     ``--data-engine ray`` on the cluster, the rows left in Ray's object store."""
     window = {} if args.pack_window is None else {"pack_window": args.pack_window}
-    if args.data_engine == "ray":
-        return raymoe.load_dataset(
-            args.dataset,
-            args.seq_len,
-            tokenizer,
-            engine="ray",
-            text_field=args.text_field,
-            messages_field=args.messages_field,
-            prompt_field=args.prompt_field,
-            completion_field=args.completion_field,
-            packing=args.packing,
-            loss_on=args.loss_on,
-            overlong=args.overlong,
-            split=args.dataset_split,
-            dataset_config=args.dataset_config,
-            cache_dir=False if args.no_cache else args.cache_dir,  # a cache dir or --num-proc: engine='ray' says no
-            num_proc=args.num_proc,
-            progress=not args.no_progress,
-            **window,
-        )
     return raymoe.load_dataset(
         args.dataset,
         args.seq_len,
         tokenizer,
+        engine=args.data_engine,
         **window,
         text_field=args.text_field,
         messages_field=args.messages_field,
@@ -594,7 +575,7 @@ def load_data(
         overlong=args.overlong,
         split=args.dataset_split,
         dataset_config=args.dataset_config,
-        cache_dir=False if args.no_cache else args.cache_dir,
+        cache_dir=False if args.no_cache else args.cache_dir,  # a cache dir or --num-proc: engine='ray' says no
         num_proc=args.num_proc,
         progress=not args.no_progress,
     )

@@ -181,17 +181,26 @@ class PackedData:
 
     def split(self, eval_fraction: float) -> tuple[PackedData, PackedData | None]:
         """The last ``eval_fraction`` of the rows (at least one) held out for evaluation; None if 0."""
-        if not 0 <= eval_fraction < 1:
-            raise ValueError(f"eval_fraction={eval_fraction!r} must be in [0, 1)")
-        if eval_fraction == 0:
+        num_eval = held_out_rows(self.num_sequences, eval_fraction)
+        if num_eval == 0:
             return self, None
-        num_eval = max(1, round(self.num_sequences * eval_fraction))
-        if num_eval >= self.num_sequences:
-            raise ValueError(
-                f"eval_fraction={eval_fraction} of {self.num_sequences} sequences leaves none to train on; "
-                "use more data or a smaller eval_fraction"
-            )
         return self.rows(slice(0, -num_eval)), self.rows(slice(-num_eval, None))
+
+
+def held_out_rows(num_rows: int, eval_fraction: float) -> int:
+    """How many of ``num_rows`` rows ``eval_fraction`` holds out for evaluation: at least one unless it is 0, and
+    never all (a ``ValueError``)."""
+    if not 0 <= eval_fraction < 1:
+        raise ValueError(f"eval_fraction={eval_fraction!r} must be in [0, 1)")
+    if eval_fraction == 0:
+        return 0
+    num_eval = max(1, round(num_rows * eval_fraction))
+    if num_eval >= num_rows:
+        raise ValueError(
+            f"eval_fraction={eval_fraction} of {num_rows} sequences leaves none to train on; "
+            "use more data or a smaller eval_fraction"
+        )
+    return num_eval
 
 
 def check_seq_len(seq_len: object) -> int:

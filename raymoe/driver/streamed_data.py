@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from raymoe.driver.fanout import split_batch_rows
-from raymoe.driver.packing import DataReport, PackedData
+from raymoe.driver.packing import DataReport, PackedData, held_out_rows
 from raymoe.models.common.loss import IGNORE_INDEX
 from raymoe.rank.contract import BlockRows
 
@@ -153,16 +153,9 @@ class StreamedData:
 
     def split(self, eval_fraction: float) -> tuple[StreamedData, StreamedData | None]:
         """The last ``eval_fraction`` of the rows (at least one) held out for evaluation, like ``PackedData.split``."""
-        if not 0 <= eval_fraction < 1:
-            raise ValueError(f"eval_fraction={eval_fraction!r} must be in [0, 1)")
-        if eval_fraction == 0:
+        num_eval = held_out_rows(self.num_sequences, eval_fraction)
+        if num_eval == 0:
             return self, None
-        num_eval = max(1, round(self.num_sequences * eval_fraction))
-        if num_eval >= self.num_sequences:
-            raise ValueError(
-                f"eval_fraction={eval_fraction} of {self.num_sequences} sequences leaves none to train on; "
-                "use more data or a smaller eval_fraction"
-            )
         return self.view(slice(0, -num_eval)), self.view(slice(-num_eval, None))
 
     def batch(self, indices: torch.Tensor | np.ndarray, dp_size: int, blank: int = 0) -> StreamedBatch:
