@@ -21,7 +21,7 @@ from raymoe.driver.handle import DistributedModel
 from raymoe.driver.memory_plan import MemoryPlan
 from raymoe.driver.packing import PackedData
 from raymoe.driver.plan import plan_memory
-from raymoe.driver.ray_engine import DECODING, RayJob, check_engine, check_ray_options, read_format
+from raymoe.driver.ray_engine import DECODING, RayJob, check_engine, check_ray_options, ray_source, read_format
 from raymoe.driver.records import open_hub_dataset
 from raymoe.driver.streamed_data import StreamedData
 from raymoe.driver.tokenizer import TextTokenizer
@@ -213,6 +213,7 @@ def load_dataset(
     if tokenizer is None:
         raise ValueError("load_dataset(engine='ray') tokenizes text: give a tokenizer")
     rest = check_ray_options(options)
+    path = ray_source(path)
     fmt = read_format(path)
     split, config = rest.pop("split", "train"), rest.pop("dataset_config", None)
     from actors.ray_data import read_records

@@ -21,10 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from raymoe.checkpoint.storage import url_scheme
 from raymoe.driver.chat import ChatTemplate
 from raymoe.driver.data_operators import RAY_PACK_WINDOW, BlockOperator, Decoding, PackOperator, TokenizeOperator
 from raymoe.driver.dataset import encoding_of
 from raymoe.driver.example_encoder import ExampleEncoder, LossOn
+from raymoe.driver.local_paths import local_path, storage_path
 from raymoe.driver.packing import DataReport, Overlong, Packing, check_seq_len
 from raymoe.driver.records import Fields, record_kind
 from raymoe.driver.row_packing import check_pack_options, check_pack_window
@@ -39,6 +41,18 @@ def check_engine(engine: object) -> str:
     if engine not in ENGINES:
         raise ValueError(f"load_dataset: engine={engine!r}: choose 'driver' (the default) or 'ray'")
     return str(engine)
+
+
+def ray_source(path: str | os.PathLike[str]) -> str:
+    """``path`` as Ray Data's read tasks get it, wherever they run: a storage URL checked here (known protocol, its
+    package installed, reachable: one clear error on the driver), a local file or directory made absolute
+    (``file://`` URLs are their path; a relative path would be read against each worker's own directory); a
+    name that is no local path (a hub id) stays as it is."""
+    text = os.fspath(path)
+    if url_scheme(text) not in (None, "file"):
+        return str(storage_path(text, "load_dataset path", write=False))
+    local = local_path(text, "load_dataset path").expanduser()
+    return str(local) if local.exists() else text
 
 
 def read_format(path: str | os.PathLike[str]) -> str:

@@ -92,3 +92,30 @@ def test_bad_engines_and_options_are_one_clear_error(tmp_path):
         raymoe.load_dataset(tmp_path / "a.npy", 96, tiny_tokenizer(), engine="ray")
     with pytest.raises(ValueError, match=r"num_proc is the driver engine's"):
         raymoe.load_dataset(tmp_path / "a.jsonl", 96, tiny_tokenizer(), engine="ray", num_proc=2)
+
+
+def test_a_ray_source_is_an_absolute_path_or_a_checked_url(tmp_path, monkeypatch):
+    """Ray Data's read tasks run in other processes (other nodes): a relative path is made absolute on the driver,
+    a file:// URL is its path, a hub id stays, an unknown scheme is one error before any read."""
+    from raymoe.driver.ray_engine import ray_source
+
+    (tmp_path / "a.jsonl").write_text("{}\n")
+    monkeypatch.chdir(tmp_path)
+    assert ray_source("a.jsonl") == str(tmp_path / "a.jsonl")
+    assert ray_source(f"file://{tmp_path}/a.jsonl") == str(tmp_path / "a.jsonl")
+    assert ray_source("org/name") == "org/name"
+    with pytest.raises(ValueError, match=r"load_dataset path='nosuch://b/a\.jsonl'"):
+        ray_source("nosuch://b/a.jsonl")
+
+
+def test_jsonl_on_s3_gives_the_local_files_rows(ray_session, s3_bucket, tmp_path):
+    """The Ray engine reads a URL where its read tasks run (the local S3 server here): the rows of the local file."""
+    import fsspec
+
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _chat(20)))
+    url = f"{s3_bucket}/data/chat.jsonl"
+    fsspec.filesystem("s3").put_file(str(path), url.removeprefix("s3://"))
+    tokenizer = tiny_tokenizer()
+    driver = raymoe.load_dataset(path, 96, tokenizer, cache_dir=False, pack_window=WINDOW)
+    _same(driver, raymoe.load_dataset(url, 96, tokenizer, engine="ray", pack_window=WINDOW))
