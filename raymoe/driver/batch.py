@@ -131,6 +131,17 @@ def check_right_padded(mask: Tensor) -> None:
         )
 
 
+def check_micro_batches(micro_batches: object, rows: int | None = None) -> None:
+    """``micro_batches`` is an int >= 1 and (given a rank's ``rows``) at most that many."""
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
+    if rows is not None and rows < micro_batches:
+        raise ValueError(
+            f"micro_batches={micro_batches} needs at least that many rows per data-parallel rank, "
+            f"and a rank holds {rows}; use a larger global batch or fewer micro-batches"
+        )
+
+
 def split_micro_batches(
     input_ids: Tensor,
     labels: Tensor,
@@ -142,13 +153,7 @@ def split_micro_batches(
 ) -> list[MicroBatch]:
     """A rank's rows as ``micro_batches`` consecutive row blocks, for gradient accumulation (a policy loss's
     per-token ``fields`` and replayed ``routes`` cut with them)."""
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
-    if input_ids.shape[0] < micro_batches:
-        raise ValueError(
-            f"micro_batches={micro_batches} needs at least that many rows per data-parallel rank, "
-            f"and a rank holds {input_ids.shape[0]}; use a larger global batch or fewer micro-batches"
-        )
+    check_micro_batches(micro_batches, input_ids.shape[0])
     ids, labs, mask = (torch.tensor_split(tensor, micro_batches) for tensor in (input_ids, labels, token_mask))
     docs: Sequence[Tensor | None] = (
         torch.tensor_split(document_ids, micro_batches) if document_ids is not None else [None] * micro_batches

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from raymoe.driver.batch import check_micro_batches
 from raymoe.driver.streamed_data import StreamedBatch
 from raymoe.driver.training import TrainingSession
 
@@ -33,7 +34,6 @@ class StreamedMethods:
 
 
 def with_micro_batches(batch: StreamedBatch, micro_batches: int) -> StreamedBatch:
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
+    check_micro_batches(micro_batches)
     rows = tuple(dataclasses.replace(rows, micro_batches=micro_batches) for rows in batch.rows)
     return dataclasses.replace(batch, rows=rows)

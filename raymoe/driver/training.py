@@ -23,7 +23,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from raymoe.driver.batch import GlobalBatch, check_sequence_length, make_global_batch, split_micro_batches
+from raymoe.driver.batch import (
+    GlobalBatch,
+    check_micro_batches,
+    check_sequence_length,
+    make_global_batch,
+    split_micro_batches,
+)
 from raymoe.driver.fanout import FanOut, split_batch_rows
 from raymoe.driver.policy import PolicyStep, policy_metrics
 from raymoe.driver.routing import DeadExperts, aux_loss_value, expert_load_metrics
@@ -199,13 +205,8 @@ class TrainingSession:
             raise ValueError("the batch has no label tokens (all labels are -100 or masked)")
         sizes = []
         for rows in batch.rows:
-            micro = rows.micro_batches
-            if rows.num_rows < micro:
-                raise ValueError(
-                    f"micro_batches={micro} needs at least that many rows per data-parallel rank, "
-                    f"and a rank holds {rows.num_rows}; use a larger global batch or fewer micro-batches"
-                )
-            sizes += [len(part) for part in torch.tensor_split(torch.arange(rows.num_rows), micro)]
+            check_micro_batches(rows.micro_batches, rows.num_rows)
+            sizes += [len(part) for part in torch.tensor_split(torch.arange(rows.num_rows), rows.micro_batches)]
         self._check_pipeline_pieces(batch.num_rows, batch.rows[0].micro_batches, sizes)
 
     def micro_batches(
