@@ -1,6 +1,8 @@
 """The raymoe one-process row of bench_layouts.py: ``raymoe.load_model`` in this process, no Ray, no process group.
 
-Prints ``STEP_SECONDS [...]`` and ``PEAK_MIB [[peak, start]]`` like ``_torchrun_transformers.py``.
+Prints ``STEP_SECONDS [...]`` and ``PEAK_MIB [[peak, start]]`` like ``_torchrun_transformers.py``; with a last
+argument ``compile``, the decoder blocks are compiled as a rank compiles them, and ``COMPILE_S`` says how long that took
+(in the first, warm-up, step).
 """
 
 from __future__ import annotations
@@ -14,12 +16,16 @@ from _peak_memory import peak_mib, reset
 
 from raymoe import load_model
 from raymoe.models import causal_lm_loss
+from raymoe.parallel.compiled_blocks import compile_blocks, compile_seconds
 
 
 def main() -> None:
     directory, batch, seq, vocab, steps, warmup = sys.argv[1:7]
+    compiled = sys.argv[7:] == ["compile"]
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model = load_model(directory).to(device).train()
+    if compiled:
+        compile_blocks(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # as raymoe's ranks step
     gen = torch.Generator().manual_seed(1)
     times = []
@@ -36,6 +42,8 @@ def main() -> None:
         times.append(time.perf_counter() - began)
     print("STEP_SECONDS " + json.dumps(times), flush=True)
     print("PEAK_MIB " + json.dumps([[peak_mib(device), start]]), flush=True)
+    if compiled:
+        print("COMPILE_S " + json.dumps(compile_seconds()), flush=True)
 
 
 if __name__ == "__main__":

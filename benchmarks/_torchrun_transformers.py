@@ -2,8 +2,9 @@
 
 With ``layout`` ``{}`` and no torchrun it is the one-process row (transformers' grouped_mm experts, as the
 distributed rows use). Each data-parallel rank trains on its rows of the same global batches bench_layouts.py
-uses; rank 0 prints the wall time of every optimizer step as ``STEP_SECONDS [...]`` and the peak memory of
-every rank during the timed steps and its memory in use when they began, as ``PEAK_MIB [[peak, start], ...]``.
+uses (with a last argument ``compile``: after ``model.compile()``, transformers' own way). Rank 0 prints the wall
+time of every optimizer step as ``STEP_SECONDS [...]`` and the peak memory of every rank during the timed steps and
+its memory in use when they began, as ``PEAK_MIB [[peak, start], ...]``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from transformers.distributed.configuration_utils import DistributedConfig
 
 def main() -> None:
     directory, layout, batch, seq, vocab, steps, warmup = sys.argv[1:8]
+    compiled = sys.argv[8:] == ["compile"]
     sizes = json.loads(layout)
     distributed = "RANK" in os.environ
     extra = {}
@@ -35,6 +37,8 @@ def main() -> None:
     ).train()
     if device is not None and not distributed:
         model.to(device)
+    if compiled:
+        model.compile()
     # fused, as transformers' Trainer defaults to with torch >= 2.8; one fused (or multi-tensor) group cannot mix
     # DTensors with plain tensors (tensor parallelism without FSDP leaves the norms plain): there torch's default
     fused = len({type(param) for param in model.parameters()}) == 1

@@ -10,6 +10,9 @@ machine's state:
     one process               transformers (grouped_mm experts), raymoe.load_model: no process group
     transformers + torchrun   transformers' DistributedConfig, one process per rank (gloo on CPU, NCCL on GPU)
     raymoe on Ray             raymoe.from_pretrained, one Ray actor per rank, driver round trip every step
+    ... compiled              the same with compiled decoder blocks (raymoe: compile=True, each block's forward;
+                              transformers, with --transformers-compile: model.compile(), its users' way); the
+                              compilation happens in the warm-up steps and its seconds are the "compile s" column
     1/N of the batch          raymoe.load_model in one process with one thread on 1/N of the batch: what each
                               rank of a world of N computes, without communication. Its global tokens/s is
                               the ceiling of that world where every rank has a core of its own (a rank gets
@@ -23,7 +26,13 @@ and temporaries of a step: weights and optimizer state are already there); the t
 rank's. One-process rows get every CPU as torch threads, distributed rows one thread per rank. The
 activation-checkpointing rows train raymoe's fsdp layout at world 2 under ``none | full | selective`` on a
 longer batch (``--ac-batch`` x ``--ac-seq``), where activations outweigh the process's baseline; their
-ratio is to ``ac=none``. Results go to ``--out`` as JSON and markdown.
+ratio is to ``ac=none``.
+
+"of peak" is a row's achieved model FLOP/s over the machine's fp32 matmul peak, measured at the start of the run (the
+best of a few 2048^3 GEMMs on every CPU thread, or on the GPU): counted FLOPs are 6 per active matmul weight per token
+(forward 2, backward 4: attention projections, the router, the top-k experts' or the dense MLP's three projections,
+the head) plus causal attention's 6 x 2 x S x H per layer (its score and value products, half of them masked).
+Results go to ``--out`` as JSON and markdown.
 
     python3.11 -m venv .venv-bench && .venv-bench/bin/pip install -c constraints.txt -e '.[bench]'
     .venv-bench/bin/python benchmarks/bench_layouts.py [--shapes few-large] [--worlds 2] [--layouts fsdp2 tp2-ep2]
@@ -93,10 +102,14 @@ class Row:
     start_mib: list[float] = field(default_factory=list)  # in use when the timed steps began
     rounds: list[float] = field(default_factory=list)
     error: str | None = None
+    compile_s: float | None = None  # seconds the first (warm-up) step spent compiling, the largest rank's
 
-    def keep(self, speed: float, memory: list[list[float]]) -> None:
-        """A round's tokens/s and ``[peak, start]`` MiB per rank; the best round's are kept."""
+    def keep(self, speed: float, memory: list[list[float]], compile_s: float | None = None) -> None:
+        """A round's tokens/s and ``[peak, start]`` MiB per rank; the best round's are kept (the compile seconds:
+        the first round's, which compiled from nothing)."""
         self.rounds.append(speed)
+        if compile_s is not None and self.compile_s is None:
+            self.compile_s = compile_s
         if speed > self.tokens_per_s:
             self.tokens_per_s = speed
             self.peak_mib, self.start_mib = [m[0] for m in memory], [m[1] for m in memory]
@@ -110,7 +123,33 @@ def tokens_per_s(step_seconds: list[float], shape: Shape, warmup: int) -> float:
     return shape.batch * (shape.seq - 1) / statistics.median(step_seconds[warmup:])
 
 
-Measured = tuple[list[float], list[list[float]]]  # step seconds, [peak, start] MiB per rank
+# step seconds, [peak, start] MiB per rank, compile seconds (compiled rows)
+Measured = tuple[list[float], list[list[float]], float | None]
+
+
+def flops_per_token(shape: Shape) -> float:
+    """Training FLOPs of one token (forward and backward), as the module docstring counts them."""
+    head_dim = shape.hidden // shape.heads
+    attention = shape.hidden * head_dim * (2 * shape.heads + 2 * shape.kv_heads)
+    sparse = shape.hidden * shape.experts + shape.top_k * 3 * shape.hidden * shape.moe_intermediate
+    dense = 3 * shape.hidden * shape.dense_width
+    weights = sum(attention + (dense if i in shape.dense_layers else sparse) for i in range(shape.layers))
+    scores = shape.layers * 2 * shape.seq * shape.hidden  # QK^T and AV over the causal half, per token
+    return 6 * (weights + shape.vocab * shape.hidden) + 6 * scores
+
+
+def matmul_peak_flops(size: int = 2048, repeats: int = 5) -> float:
+    """The machine's fp32 GEMM FLOP/s: the best of ``repeats`` ``size^3`` products (every CPU thread, or the GPU)."""
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        began = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - began)
+    return 2 * size**3 / best
 
 
 def run_script(command: list[str], what: str, threads: int = 1) -> Measured:
@@ -124,19 +163,21 @@ def run_script(command: list[str], what: str, threads: int = 1) -> Measured:
     found = {
         key: json.loads(line.removeprefix(key + " "))
         for line in done.stdout.splitlines()
-        for key in ("STEP_SECONDS", "PEAK_MIB")
+        for key in ("STEP_SECONDS", "PEAK_MIB", "COMPILE_S")
         if line.startswith(key + " ")
     }
-    if done.returncode != 0 or len(found) != 2:
+    if done.returncode != 0 or "STEP_SECONDS" not in found or "PEAK_MIB" not in found:
         raise RuntimeError(f"{what} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
-    return found["STEP_SECONDS"], found["PEAK_MIB"]
+    return found["STEP_SECONDS"], found["PEAK_MIB"], found.get("COMPILE_S")
 
 
 def shape_argv(shape: Shape, args: argparse.Namespace) -> list[str]:
     return [str(shape.batch), str(shape.seq), str(shape.vocab), str(args.warmup + args.steps), str(args.warmup)]
 
 
-def transformers_run(directory: Path, layout: dict[str, int], shape: Shape, args: argparse.Namespace) -> Measured:
+def transformers_run(
+    directory: Path, layout: dict[str, int], shape: Shape, args: argparse.Namespace, compiled: bool = False
+) -> Measured:
     world = world_of(layout)
     launcher = (
         [sys.executable]
@@ -144,15 +185,17 @@ def transformers_run(directory: Path, layout: dict[str, int], shape: Shape, args
         else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
     )
     command = [*launcher, str(TRANSFORMERS_SCRIPT), str(directory), json.dumps(layout), *shape_argv(shape, args)]
+    command += ["compile"] if compiled else []
     return run_script(
         command, f"transformers {layout or 'one process'}", threads=ONE_PROCESS_THREADS if world == 1 else 1
     )
 
 
 def raymoe_one_process(
-    directory: Path, shape: Shape, args: argparse.Namespace, threads: int = ONE_PROCESS_THREADS
+    directory: Path, shape: Shape, args: argparse.Namespace, threads: int = ONE_PROCESS_THREADS, compiled: bool = False
 ) -> Measured:
     command = [sys.executable, str(RAYMOE_ONE_PROCESS_SCRIPT), str(directory), *shape_argv(shape, args)]
+    command += ["compile"] if compiled else []
     return run_script(command, f"raymoe one process (batch {shape.batch}, {threads} threads)", threads=threads)
 
 
@@ -161,24 +204,26 @@ def rank_share(directory: Path, shape: Shape, world: int, args: argparse.Namespa
     return raymoe_one_process(directory, replace(shape, batch=shape.batch // world), args, threads=1)
 
 
-def raymoe_on_ray(directory: Path, layout: dict[str, Any], shape: Shape, args: argparse.Namespace) -> Measured:
+def raymoe_on_ray(
+    directory: Path, layout: dict[str, Any], shape: Shape, args: argparse.Namespace, compiled: bool = False
+) -> Measured:
     import raymoe
 
     gen = torch.Generator().manual_seed(1)
     data = [
         torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=gen) for _ in range(args.warmup + args.steps)
     ]
-    times = []
-    with raymoe.from_pretrained(directory, distributed_config=layout) as model:
+    times, compiling = [], 0.0
+    with raymoe.from_pretrained(directory, distributed_config=layout, compile=compiled) as model:
         model.configure_training(lr=1e-4, betas=(0.9, 0.999), max_grad_norm=None)  # the other rows: torch defaults
         for step, ids in enumerate(data):
             if step == args.warmup:
                 starts = model.run_on_ranks(lambda ctx: _peak_memory.reset(ctx.device))
             began = time.perf_counter()
-            model.train_step(ids)
+            compiling += model.train_step(ids).get("compile_s", 0.0)
             times.append(time.perf_counter() - began)
         peaks = model.run_on_ranks(lambda ctx: _peak_memory.peak_mib(ctx.device))
-    return times, [[peak, start] for peak, start in zip(peaks, starts, strict=True)]
+    return times, [[peak, start] for peak, start in zip(peaks, starts, strict=True)], compiling if compiled else None
 
 
 def measure(
@@ -191,8 +236,8 @@ def measure(
 ) -> None:
     row = rows.setdefault(key, Row(key[0], key[1], world, key[2]))
     try:
-        times, peaks = run()
-        row.keep(tokens_per_s(times, shape, args.warmup), peaks)
+        times, peaks, compile_s = run()
+        row.keep(tokens_per_s(times, shape, args.warmup), peaks, compile_s)
     except Exception as exc:  # a system that cannot run a layout is a row with its error, not the end of the matrix
         row.error = f"{type(exc).__name__}: {cause(str(exc))}"
         print(f"  {key}: {row.error}", flush=True)
@@ -212,6 +257,8 @@ def run_matrix(args: argparse.Namespace) -> list[Row]:
     ray.init(address="local", num_cpus=max(args.worlds), include_dashboard=False, log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(_peak_memory)
     rows: dict[tuple[str, str, str], Row] = {}
+    args.matmul_peak_flops = matmul_peak_flops()
+    print(f"fp32 matmul peak: {args.matmul_peak_flops / 1e9:.0f} GFLOP/s", flush=True)
     for shape_name in args.shapes:
         shape = SHAPES[shape_name]
         print(f"shape {shape_name}: {shape.describe()}", flush=True)
@@ -222,6 +269,10 @@ def run_matrix(args: argparse.Namespace) -> list[Row]:
                 "transformers": partial(transformers_run, directory, {}, shape, args),
                 "raymoe": partial(raymoe_one_process, directory, shape, args),
             }
+            if args.transformers_compile:
+                one_process["transformers compiled"] = partial(transformers_run, directory, {}, shape, args, True)
+            if args.compile:
+                one_process["raymoe compiled"] = partial(raymoe_one_process, directory, shape, args, compiled=True)
             for system, run in one_process.items():
                 measure(rows, (shape_name, "one process", system), 1, run, shape, args)
             for world in args.worlds:  # the ceiling of a world: its ranks' compute alone, as global tokens/s
@@ -245,6 +296,10 @@ def measure_layout(
         "transformers+torchrun": partial(transformers_run, directory, layout, shape, args),
         "raymoe on Ray": partial(raymoe_on_ray, directory, layout, shape, args),
     }
+    if args.transformers_compile:
+        systems["transformers+torchrun compiled"] = partial(transformers_run, directory, layout, shape, args, True)
+    if args.compile:
+        systems["raymoe compiled on Ray"] = partial(raymoe_on_ray, directory, layout, shape, args, True)
     for _ in range(args.rounds):
         for system, run in systems.items():
             measure(rows, (shape_name, name, system), world_of(layout), run, shape, args)
@@ -272,36 +327,51 @@ def ac_row(mode: str, shape: Shape) -> str:
     return f"{AC_LAYOUT} ac={mode} ({shape.batch}x{shape.seq})"
 
 
+EAGER_OF = {"raymoe compiled": "raymoe", "raymoe compiled on Ray": "raymoe on Ray"}
+TRANSFORMERS_OF = {"one process": "transformers"}  # else "transformers+torchrun"
+
+
 def markdown(rows: list[Row], args: argparse.Namespace) -> str:
     speed = {(r.shape, r.layout, r.system): r.tokens_per_s for r in rows}
+    peak = getattr(args, "matmul_peak_flops", None)
     lines = [
         f"steps {args.steps} after {args.warmup} warm-up, best of {args.rounds} rounds; torch {torch.__version__}, "
         f"{os.cpu_count()} CPUs{', ' + torch.cuda.get_device_name() if torch.cuda.is_available() else ''}; "
-        f"one process: {ONE_PROCESS_THREADS} threads, distributed: 1 thread per rank",
+        f"one process: {ONE_PROCESS_THREADS} threads, distributed: 1 thread per rank"
+        + (f"; fp32 matmul peak {peak / 1e9:.0f} GFLOP/s" if peak else ""),
         "",
-        "| shape | world | layout | system | tokens/s | vs transformers+torchrun | vs one process (raymoe) "
-        "| peak MiB per rank | step growth MiB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| shape | world | layout | system | tokens/s | vs transformers | vs raymoe eager | vs one process (raymoe) "
+        "| of peak | compile s | peak MiB per rank | step growth MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.error and not r.tokens_per_s:
-            lines.append(f"| {r.shape} | {r.world} | {r.layout} | {r.system} | failed: {r.error} | | | | |")
+            lines.append(f"| {r.shape} | {r.world} | {r.layout} | {r.system} | failed: {r.error} | | | | | | | |")
             continue
-        torchrun = speed.get((r.shape, r.layout, "transformers+torchrun"))
+        baseline = speed.get((r.shape, r.layout, TRANSFORMERS_OF.get(r.layout, "transformers+torchrun")))
+        eager = speed.get((r.shape, r.layout, EAGER_OF.get(r.system, "")))
         if " ac=" in r.layout:  # its own batch: compared with no checkpointing on that batch
             reference = speed.get(
                 (r.shape, ac_row("none", replace(SHAPES[r.shape], batch=args.ac_batch, seq=args.ac_seq)), r.system)
             )
         else:
             reference = speed.get((r.shape, "one process", "raymoe")) if r.layout != "one process" else None
-        vs_torchrun = f"{r.tokens_per_s / torchrun:.2f}x" if torchrun and r.system == "raymoe on Ray" else ""
+        vs_baseline = f"{r.tokens_per_s / baseline:.2f}x" if baseline and r.system.startswith("raymoe") else ""
+        if baseline and r.system.startswith("transformers") and r.system.endswith("compiled"):
+            vs_baseline = f"{r.tokens_per_s / baseline:.2f}x"  # transformers compiled over its eager self
+        vs_eager = f"{r.tokens_per_s / eager:.2f}x" if eager else ""
         vs_reference = f"{r.tokens_per_s / reference:.2f}x" if reference else ""
+        shape = SHAPES[r.shape] if " ac=" not in r.layout else replace(SHAPES[r.shape], seq=args.ac_seq)
+        of_peak = f"{r.tokens_per_s * flops_per_token(shape) / peak:.0%}" if peak else ""
+        compile_s = f"{r.compile_s:.0f}" if r.compile_s is not None else ""
         lines.append(
-            f"| {r.shape} | {r.world} | {r.layout} | {r.system} | {r.tokens_per_s:.0f} | {vs_torchrun} "
-            f"| {vs_reference} | {max(r.peak_mib):.0f} | {r.growth_mib:.0f} |"
+            f"| {r.shape} | {r.world} | {r.layout} | {r.system} | {r.tokens_per_s:.0f} | {vs_baseline} | {vs_eager} "
+            f"| {vs_reference} | {of_peak} | {compile_s} | {max(r.peak_mib):.0f} | {r.growth_mib:.0f} |"
         )
     lines += [
         "",
+        "vs transformers: over transformers (one process) or transformers+torchrun on the same row, both eager; for "
+        "transformers' compiled row, over its eager self. "
         "peak: the largest rank's peak during the timed steps (RSS on CPU: the process's baseline included); "
         "step growth: the largest rank's peak minus its memory in use when the timed steps began. "
         "ac rows: ratio to ac=none on the same batch.",
@@ -344,6 +414,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="rows of raymoe with compiled decoder blocks (default: on)",
+    )
+    parser.add_argument(
+        "--transformers-compile", action="store_true", help="rows of transformers after model.compile() too"
+    )
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     torch.set_num_threads(2)

@@ -1,4 +1,4 @@
-"""The GPU check of issues 18 and 36: raymoe's Qwen3-MoE block and one-rank training on one GPU, against
+"""The GPU check of issues 18, 36 and 33: raymoe's Qwen3-MoE block and one-rank training on one GPU, against
 transformers, and the readiness paths of issue 36 (benchmarks/gpu_readiness.py).
 
 Three parts, the first two in bf16 at the shape of Qwen/Qwen3-30B-A3B (hidden 2048, 128 experts, top-8, expert
@@ -7,14 +7,17 @@ intermediate 768):
     block   raymoe's SparseMoeBlock (router + GroupedExperts on torch._grouped_mm), forward + backward on
             --block-tokens tokens; TFLOP/s from counted FLOPs and the percentage of the GPU's dense bf16
             peak (a table by device name, or --peak-tflops). transformers' Qwen3MoeSparseMoeBlock with
-            the same weights (experts_implementation "grouped_mm") is timed beside it where it builds.
+            the same weights (experts_implementation "grouped_mm") is timed beside it where it builds, and
+            raymoe's block under torch.compile ("raymoe compiled"; --no-compile leaves it out).
     train   a random 2-layer slice of Qwen3-30B-A3B written with save_pretrained, trained for a few
             AdamW steps (a) by transformers in this process (from_pretrained, grouped_mm experts) and
             (b) by raymoe.from_pretrained(world_size=1) on a local Ray: one rank actor holding the GPU,
             process group backend chosen by the rank (NCCL where it sees a GPU). Tokens/s (label tokens of
             a step over the median step time after warm-up) and peak GPU memory (max_memory_allocated: in
             this process for transformers, read on the rank for raymoe). The systems alternate for
-            --rounds rounds, each keeping its best round.
+            --rounds rounds, each keeping its best round. Then (c) raymoe with compile=True (compiled decoder
+            blocks, issue 33) replaces (b) on the GPU and alternates with transformers the same way; its
+            compile seconds are the warm-up's.
 
     readiness   one rank in this process on tiny bf16 checkpoints: the default precision policy, 4 micro-batches
             against 1 (peak memory), fsdp_cpu_offload with bias balancing, async save_state / load_state
@@ -135,6 +138,7 @@ class Settings:
     train_steps: int
     rounds: int
     telemetry: bool
+    compile: bool = True  # also the compiled rows (issue 33)
 
 
 # --- timing ---------------------------------------------------------------------------------------
@@ -270,6 +274,11 @@ def run_block(shape: Shape, settings: Settings, peak: float | None) -> dict[str,
         "raymoe": block_row(time_block(raymoe_block, x_BTH, settings), flops, peak),
     }
     result.update(transformers_block(raymoe_block, x_BTH, shape, settings, peak))
+    if settings.compile:
+        try:
+            result["raymoe compiled"] = block_row(time_block(torch.compile(raymoe_block), x_BTH, settings), flops, peak)
+        except Exception as error:  # reported, so the rest of the check still runs
+            result["raymoe compiled"] = {"skipped": f"{type(error).__name__}: {error}"}
     return result
 
 
@@ -401,9 +410,7 @@ class RaymoeRun:
     """raymoe on a local Ray: ``from_pretrained(world_size=1)`` (one rank actor, one GPU where Ray has one),
     AdamW via ``configure_training`` with the same settings as :class:`TransformersRun`."""
 
-    name = "raymoe"
-
-    def __init__(self, directory: Path, settings: Settings) -> None:
+    def __init__(self, directory: Path, settings: Settings, compiled: bool = False) -> None:
         import ray
 
         import raymoe
@@ -417,13 +424,17 @@ class RaymoeRun:
                 include_dashboard=False,
                 log_to_driver=False,
             )
-        self.model = raymoe.from_pretrained(directory, world_size=1, dtype=settings.dtype)
+        self.name = "raymoe compiled" if compiled else "raymoe"
+        self.compiled = compiled
+        self.model = raymoe.from_pretrained(directory, world_size=1, dtype=settings.dtype, compile=compiled)
+        self.compile_s = 0.0
         self.model.configure_training(
             lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, max_grad_norm=None, telemetry=settings.telemetry
         )
 
     def step(self, ids_BS: Tensor) -> None:
-        self.model.train_step(ids_BS)  # returns once the rank has taken the step (its loss is in the answer)
+        # returns once the rank has taken the step (its loss is in the answer)
+        self.compile_s += self.model.train_step(ids_BS).get("compile_s", 0.0)
 
     def report(self) -> dict[str, Any]:
         import ray.cloudpickle
@@ -431,13 +442,15 @@ class RaymoeRun:
         if rank_report.__module__ != "__main__":  # imported (not run as a script): the ranks cannot import it
             ray.cloudpickle.register_pickle_by_value(sys.modules[rank_report.__module__])
         ranks = self.model.run_on_ranks(rank_report)
-        return {"peak_memory_bytes": ranks[0]["peak_memory_bytes"], "ranks": ranks}
+        report = {"peak_memory_bytes": ranks[0]["peak_memory_bytes"], "ranks": ranks}
+        return {**report, "compile_s": self.compile_s} if self.compiled else report
 
-    def close(self) -> None:
+    def close(self, keep_ray: bool = False) -> None:
         import ray
 
         self.model.shutdown()
-        ray.shutdown()
+        if not keep_ray:
+            ray.shutdown()
 
 
 def time_steps(run: TransformersRun | RaymoeRun, batches: list[Tensor], settings: Settings) -> float:
@@ -449,21 +462,30 @@ def time_steps(run: TransformersRun | RaymoeRun, batches: list[Tensor], settings
 
 
 def run_train(shape: Shape, settings: Settings) -> dict[str, Any]:
-    """Part B: both systems loaded once, then ``settings.rounds`` alternating timed rounds; best round each."""
+    """Part B: both systems loaded once, then ``settings.rounds`` alternating timed rounds; best round each. Then
+    raymoe compiled in raymoe's place (one GPU holds one rank), alternating with transformers again."""
     batches = token_batches(shape, settings.train_warmup + settings.train_steps)
-    speeds: dict[str, list[float]] = {"transformers": [], "raymoe": []}
+    speeds: dict[str, list[float]] = {"transformers": [], "raymoe": []} | (
+        {"raymoe compiled": []} if settings.compile else {}
+    )
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         began = time.perf_counter()
         write_checkpoint(Path(tmp), shape, settings)
         checkpoint_s = time.perf_counter() - began
-        runs = [TransformersRun(Path(tmp), settings)]
+        runs: list[TransformersRun | RaymoeRun] = [TransformersRun(Path(tmp), settings)]
+        reports: dict[str, dict[str, Any]] = {}
         try:
-            runs.append(RaymoeRun(Path(tmp), settings))
-            for round_index in range(settings.rounds):
-                for run in runs:
-                    speeds[run.name].append(time_steps(run, batches, settings))
-                    print(f"  train round {round_index + 1}: {run.name:<13}{speeds[run.name][-1]:>12.0f} tokens/s")
-            reports = {run.name: run.report() for run in runs}
+            for compiled in (False, True) if settings.compile else (False,):
+                if compiled:  # the eager rank gives its GPU back first
+                    eager = runs.pop()
+                    assert isinstance(eager, RaymoeRun)
+                    eager.close(keep_ray=True)
+                runs.append(RaymoeRun(Path(tmp), settings, compiled=compiled))
+                for round_index in range(settings.rounds):
+                    for run in runs:
+                        speeds[run.name].append(time_steps(run, batches, settings))
+                        print(f"  train round {round_index + 1}: {run.name:<16}{speeds[run.name][-1]:>12.0f} tokens/s")
+                reports.update({run.name: run.report() for run in runs})
         finally:
             for run in reversed(runs):
                 run.close()
@@ -479,6 +501,10 @@ def run_train(shape: Shape, settings: Settings) -> dict[str, Any]:
     for name, rounds in speeds.items():
         result[name] = {"tokens_per_s": max(rounds), "tokens_per_s_rounds": rounds, **reports[name]}
     result["ratio_raymoe_over_transformers"] = result["raymoe"]["tokens_per_s"] / result["transformers"]["tokens_per_s"]
+    if settings.compile:
+        compiled_speed = result["raymoe compiled"]["tokens_per_s"]
+        result["ratio_raymoe_compiled_over_transformers"] = compiled_speed / result["transformers"]["tokens_per_s"]
+        result["ratio_raymoe_compiled_over_eager"] = compiled_speed / result["raymoe"]["tokens_per_s"]
     return result
 
 
@@ -497,7 +523,9 @@ def print_block(block: dict[str, Any], peak: float | None, peak_note: str) -> No
     print(f"\nA. MoE block forward+backward, {block['tokens']} tokens, grouped GEMM backend {block['gemm_backend']}")
     print(f"   peak: {'n/a' if peak is None else f'{peak:.0f} TFLOP/s'} ({peak_note})")
     print(f"   {'system':<14}{'median ms':>10}{'TFLOP/s':>10}{'% peak':>8}{'best ms':>10}{'TFLOP/s':>10}{'% peak':>8}")
-    for name in ("raymoe", "transformers"):
+    for name in ("raymoe", "transformers", "raymoe compiled"):
+        if name not in block:
+            continue
         row = block[name]
         if "skipped" in row:
             print(f"   {name:<14}skipped: {row['skipped']}")
@@ -514,12 +542,20 @@ def print_block(block: dict[str, Any], peak: float | None, peak_note: str) -> No
 def print_train(train: dict[str, Any]) -> None:
     print(f"\nB. one-rank training, batch {train['batch']}x{train['seq']}, best of the rounds")
     print(f"   {'system':<14}{'tokens/s':>12}{'peak memory':>16}")
-    for name in ("transformers", "raymoe"):
+    for name in ("transformers", "raymoe", "raymoe compiled"):
+        if name not in train:
+            continue
         row = train[name]
-        print(f"   {name:<14}{row['tokens_per_s']:>12.0f}{gib(row['peak_memory_bytes']):>16}")
+        compiled = f"   compiled in {row['compile_s']:.0f} s" if "compile_s" in row else ""
+        print(f"   {name:<17}{row['tokens_per_s']:>12.0f}{gib(row['peak_memory_bytes']):>16}{compiled}")
     ranks = train["raymoe"].get("ranks") or [{}]
     print(f"   raymoe rank 0: backend {ranks[0].get('backend')}, device {ranks[0].get('device')}")
     print(f"   raymoe / transformers = {train['ratio_raymoe_over_transformers']:.2f}")
+    if "ratio_raymoe_compiled_over_transformers" in train:
+        print(
+            f"   raymoe compiled / transformers = {train['ratio_raymoe_compiled_over_transformers']:.2f}, "
+            f"/ raymoe eager = {train['ratio_raymoe_compiled_over_eager']:.2f}"
+        )
 
 
 # --- command line ---------------------------------------------------------------------------------
@@ -548,6 +584,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--train-steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2, help="alternating training rounds; each keeps its best")
     parser.add_argument("--telemetry", action="store_true", help="raymoe records routing telemetry each step")
+    parser.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=True, help="the compiled rows too (default: on)"
+    )
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, instead of the name table")
     parser.add_argument("--out", type=Path, default=default_out(), help="JSON file of every figure")
     args = parser.parse_args(argv)
@@ -581,6 +620,7 @@ def settings_and_shape(args: argparse.Namespace) -> tuple[Settings, Shape]:
         train_steps=2 if args.smoke else args.train_steps,
         rounds=args.rounds,
         telemetry=args.telemetry,
+        compile=args.compile,
     )
     return settings, shape
 

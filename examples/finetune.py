@@ -185,6 +185,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "outputs (selective); less memory, same numbers (default: %(default)s)",
     )
     layout.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile each decoder block on the ranks (default: on CUDA GPUs, off on CPU); --no-compile keeps "
+        "them eager",
+    )
+    layout.add_argument(
         "--cpus-per-rank", type=float, default=1.0, help="CPUs reserved per rank actor (default: %(default)s)"
     )
 
@@ -548,6 +555,7 @@ def run(args: argparse.Namespace) -> tuple[raymoe.TrainSummary, Lora | None]:
         cpus_per_rank=args.cpus_per_rank,
         lora=lora.request if lora is not None else None,
         quantized_experts=args.quantized_experts,
+        compile=args.compile,
     ) as model:
         print(model.describe())
         trainer = raymoe.Trainer(model, train_data, config, eval_data=eval_data, tokenizer=tokenizer)

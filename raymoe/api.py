@@ -53,6 +53,7 @@ def from_pretrained(
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
     lora: LoraConfig | str | os.PathLike[str] | dict[str, Any] | None = None,
     quantized_experts: str | None = None,
+    compile: bool | None = None,
 ) -> DistributedModel:
     """Load ``name_or_path`` (a local directory or a hub id) sharded over Ray rank actors.
 
@@ -67,6 +68,11 @@ def from_pretrained(
     ``quantized_experts="mxfp4"`` (with ``lora``, for a checkpoint storing MXFP4 experts, e.g. gpt-oss) keeps the
     frozen expert weights packed on the ranks (uint8 blocks and scales, 4.25 bits a weight), dequantized inside each
     projection in forward and again in backward (:mod:`raymoe.models.moe.packed`).
+
+    ``compile`` (:mod:`raymoe.spec.compile`): ``torch.compile`` each decoder block's forward on the ranks (after TP/EP
+    and activation checkpointing, before FSDP2). ``None`` (default): on CUDA GPUs, not on CPU; ``True``: on any
+    device; ``False``: eager everywhere. A block compiles at its first step of a new shape (the progress output
+    says how long); generation stays eager.
 
     A relative directory is taken from this process's working directory and sent to the ranks as an absolute
     path (rank processes may run elsewhere: another directory, another node).
@@ -112,6 +118,7 @@ def from_pretrained(
         precision=precision,
         lora=lora,
         quantized_experts=quantized_experts,
+        compile=compile,
     )
     # local paths the ranks read: every node hosting one must see them as this process does
     reads = launch_reads(spec.source, spec.lora.adapter_dir if spec.lora is not None else None)

@@ -211,7 +211,8 @@ class DistributedModel(LoadedView, ReinforcementMethods, StreamedMethods):
         Returns ``loss`` (``lm_loss + aux_loss_coef * aux_loss``), ``lm_loss``, ``grad_norm``, ``num_tokens``,
         ``lr`` and, for MoE models, per MoE layer ``expert_load``, ``expert_imbalance``, ``rank_load``,
         ``rank_imbalance``, ``dead_experts``, ``dropped_pairs``, and the step's ``aux_loss`` (reported even
-        when its coefficient ``aux_loss_coef`` is 0).
+        when its coefficient ``aux_loss_coef`` is 0); ``compile_s`` on a step that compiled the decoder blocks
+        (a new shape's first, ``compile=``).
 
         RL: ``loss="importance_sampling"``, ``"ppo"`` or a callable, with ``[B, S]`` ``advantages``,
         ``old_logprobs``, ``ref_logprobs``, ``loss_mask`` aligned as :meth:`logprobs` answers, and

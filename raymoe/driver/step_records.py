@@ -31,6 +31,8 @@ def step_record(step: int, metrics: dict[str, Any], elapsed_s: float) -> dict[st
         "step_time_s": elapsed_s,
     }
     record.update(_routing_record(metrics))
+    if "compile_s" in metrics:  # this step compiled the decoder blocks for a new shape
+        record["compile_s"] = metrics["compile_s"]
     return record
 
 

@@ -194,6 +194,8 @@ class Trainer:
                 try:
                     record = self._train_one_step()
                     train_time += record["step_time_s"]
+                    if "compile_s" in record:
+                        logger.info("step %d compiled the decoder blocks in %.1f s", self.step, record["compile_s"])
                     if self._eval_due():
                         record["eval_loss"] = self.evaluate()
                     self._log_restart()

@@ -180,6 +180,9 @@ class TrainingSession:
         objective = metrics["loss"]
         metrics.update(self._routing_metrics(firsts))
         metrics["loss"] = objective + self.balance.aux_loss_coef * metrics.get("aux_loss", 0.0)
+        compiling = max(r.compile_s for r in firsts)
+        if compiling > 0:  # a new shape's first step: its blocks compiled (raymoe.parallel.compiled_blocks)
+            metrics["compile_s"] = compiling
         return metrics
 
     def evaluate(self, batch: GlobalBatch, micro_batches: int) -> dict[str, Any]:

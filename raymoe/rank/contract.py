@@ -97,6 +97,7 @@ class StepResult:
     dropped_pairs: Tensor | None = None
     aux_stats: Tensor | None = None
     policy_stats: tuple[float, ...] | None = None  # a policy loss's sums (raymoe.rank.objective), answering rank
+    compile_s: float = 0.0  # seconds this rank spent compiling decoder blocks in the step (a new shape's first)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from raymoe.models.common.shard_hints import FLOAT32_ATTR, float32_modules
 from raymoe.models.moe.packed import packed_companions
 from raymoe.parallel.activation_checkpoint import apply_activation_checkpointing
 from raymoe.parallel.apply import apply_rules
+from raymoe.parallel.compiled_blocks import compile_blocks
 from raymoe.parallel.context_parallel.split import ContextSplit
 from raymoe.parallel.fsdp import FsdpUnits, apply_fsdp
 from raymoe.parallel.packed_experts import pack_experts
@@ -39,6 +40,7 @@ from raymoe.rank.context import LoadedModel, RankContext
 from raymoe.rank.contract import LoadReport
 from raymoe.rank.pipeline import PipelineStages
 from raymoe.rank.runner import StageRunner, WholeModel
+from raymoe.spec.compile import compiles_on
 from raymoe.spec.config import DistributedConfig
 from raymoe.spec.launch import DTYPES, LaunchSpec
 from raymoe.spec.lora import LoraSpec
@@ -154,7 +156,8 @@ def shard_on_meta(
     plans: ResolvedPlans | None = None,
     policy: PrecisionPolicy | None = None,
 ) -> None:
-    """TP rules, then EP rules, packed experts (``quantized_experts``), activation checkpointing, then FSDP2, on the
+    """TP rules, then EP rules, packed experts (``quantized_experts``), activation checkpointing, compiled blocks
+    (``spec.compile``), then FSDP2, on the
     model (or a pipeline stage's part of it, with ``plans`` restricted to that part) while it is still on meta;
     ``policy`` (default: the model's dtypes as they are, computed as held) gives FSDP2 its compute and reduction
     dtypes."""
@@ -166,6 +169,8 @@ def shard_on_meta(
     if spec.quantized_experts is not None:  # placed as the rules placed the plain weights
         pack_experts(model)
     apply_activation_checkpointing(model, config.activation_checkpointing)  # before FSDP2, as its units wrap layers
+    if compiles_on(spec.compile, ctx.device):  # the blocks' forwards, under FSDP2's hooks (which stay eager)
+        compile_blocks(model)
     if uses_fsdp(config, policy):
         units = FsdpUnits(
             dense_mesh=ctx.data_parallel_mesh(Axis.FSDP),

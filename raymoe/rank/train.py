@@ -21,11 +21,14 @@ callable returned, by which the accumulated gradients are divided before the nor
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from raymoe.parallel.compiled_blocks import compile_seconds
 from raymoe.parallel.context_parallel.split import ContextSplit
 from raymoe.parallel.grad_norm import clip_grads, grad_norm, sum_partial_grads
 from raymoe.parallel.sharding import local_tensor
@@ -89,6 +92,7 @@ def train_step(
     """
     loaded = ctx.require_model()
     training = loaded.require_training()
+    compiling_since = compile_seconds()
     divisor = 1.0 if policy is not None and policy.is_callable else global_tokens
     done = loaded.runner.backward(ctx, training, micro_batches, divisor, policy)
     scale = _callable_scale(ctx, done) if policy is not None and policy.is_callable else None
@@ -98,7 +102,8 @@ def train_step(
     bias_rate = training.balance.bias_update_rate
     if load_LE is not None and bias_rate is not None:
         update_selection_bias(loaded.model, sum_over_batches(load_LE.double(), ctx), bias_rate)
-    return _step_result(done, norm, answers=ctx.answers_for_batch, split=loaded.shares.context)
+    result = _step_result(done, norm, answers=ctx.answers_for_batch, split=loaded.shares.context)
+    return dataclasses.replace(result, compile_s=compile_seconds() - compiling_since)
 
 
 def _callable_scale(ctx: RankContext, done: Backward) -> Tensor:

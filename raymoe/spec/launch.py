@@ -29,6 +29,7 @@ from raymoe.models.common.lora import adapter_parameters
 from raymoe.models.registry import build_model, parse_model_config
 from raymoe.parallel.context_parallel.all_to_all import check_heads
 from raymoe.parallel.packed_experts import check_packed_layout
+from raymoe.spec.compile import check_compile
 from raymoe.spec.config import DistributedConfig
 from raymoe.spec.lora import LoraConfig, LoraSpec, add_adapters, resolve_lora
 from raymoe.spec.pipeline import StagePlan, plan_stages
@@ -60,6 +61,7 @@ class LaunchSpec:
     precision: Precision = Precision.AUTO  # checked against dtype; each rank resolves it (raymoe.spec.precision)
     lora: LoraSpec | None = None  # adapters on a frozen base (raymoe.spec.lora)
     quantized_experts: str | None = None  # "mxfp4": the frozen experts stay packed on the ranks (LoRA only)
+    compile: bool | None = None  # compiled decoder blocks: None = on CUDA only (raymoe.spec.compile)
 
     def build_meta_model(self) -> CausalLM:
         """The model on meta, with its LoRA factors (base frozen) when the spec has adapters."""
@@ -148,6 +150,7 @@ def prepare_launch(
     precision: Precision | str | None = None,
     lora: LoraConfig | str | os.PathLike[str] | Mapping[str, Any] | None = None,
     quantized_experts: str | None = None,
+    compile: bool | None = None,
     weights: bool = True,
 ) -> LaunchSpec:
     """Validate everything that can be validated without a cluster; raise ``ValueError`` on bad input.
@@ -155,6 +158,7 @@ def prepare_launch(
     ``weights=False``: from ``config.json`` alone (``raymoe.plan``): a local directory's weights are neither needed
     nor checked."""
     config = as_config(distributed_config)
+    compiled = check_compile(compile)
     dtype_of_weights = dtype_name(dtype)
     asked = DTYPES[dtype_of_weights] if dtype_of_weights else None
     policy = precision_of(precision, asked, config.fsdp_mixed_precision)
@@ -200,4 +204,5 @@ def prepare_launch(
         precision=policy,
         lora=adapters,
         quantized_experts=quantized_experts,
+        compile=compiled,
     )

@@ -92,8 +92,8 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def check_layout(
     load_on_world, tiny_checkpoint, load_hf_model, reference_training, padded_batches
 ) -> Callable[..., list[dict[str, Any]]]:
-    """``check_layout(config, tmp_path, checkpoint=name or directory, micro_batches=1, zero_gradient=(), seq=10)`` ->
-    the step metrics.
+    """``check_layout(config, tmp_path, checkpoint=name or directory, micro_batches=1, zero_gradient=(), seq=10,
+    **from_pretrained options)`` -> the step metrics.
 
     Three AdamW steps on padded batches under ``config``: each loss and gradient norm within 1e-5 (relative)
     of transformers training on the whole global batch in one process; the saved checkpoint loads in
@@ -110,12 +110,13 @@ def check_layout(
         micro_batches: int = 1,
         zero_gradient: tuple[str, ...] = (),
         seq: int = SEQ,
+        **load_options: Any,
     ) -> list[dict[str, Any]]:
         directory = tiny_checkpoint(checkpoint) if isinstance(checkpoint, str) else checkpoint
         hf_model = load_hf_model(directory)
         data = padded_batches(hf_model.config.vocab_size, steps=STEPS, rows=ROWS, seq=seq)
         ref_losses, ref_norms, ref_model = reference_training(hf_model, data, LR, WEIGHT_DECAY)
-        with load_on_world(directory, config) as model:
+        with load_on_world(directory, config, **load_options) as model:
             model.configure_training(lr=LR, weight_decay=WEIGHT_DECAY, betas=TORCH_BETAS, max_grad_norm=None)
             metrics = [model.train_step(ids, attention_mask=mask, micro_batches=micro_batches) for ids, mask in data]
             for step, (got, want, norm) in enumerate(zip(metrics, ref_losses, ref_norms, strict=True)):

@@ -13,11 +13,16 @@ Two backends, chosen per call by :func:`select_gemm_backend` unless forced:
   ``E * C`` rows, so it suits the fallback role: odd shapes, fp32 on CUDA.
 
 Neither loops over experts in Python.
+
+Under ``torch.compile`` (compiled decoder blocks), torch traces ``torch._grouped_mm`` only for bfloat16: its
+fake-tensor rule refuses float32, which runs in eager on CPU. There the GEMM goes through the custom op
+``raymoe::grouped_mm`` (and its two backward ops), one opaque kernel in the graph that calls the same
+``torch._grouped_mm``, so a compiled block computes exactly what the eager one does.
 """
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
@@ -33,6 +38,9 @@ def grouped_mm(x_SK: Tensor, w_ENK: Tensor, counts_E: Tensor, backend: GemmBacke
         backend = select_gemm_backend(x_SK, w_ENK)
     if backend == "grouped_mm":
         offsets_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
+        if torch.compiler.is_compiling() and x_SK.dtype != torch.bfloat16:
+            traced: Tensor = _traced_grouped_mm(x_SK, w_ENK, offsets_E)
+            return traced
         return torch._grouped_mm(x_SK, w_ENK.transpose(-2, -1), offs=offsets_E)
     if backend == "padded":
         return _padded_bmm(x_SK, w_ENK, counts_E)
@@ -87,3 +95,52 @@ def _padded_bmm(x_SK: Tensor, w_ENK: Tensor, counts_E: Tensor) -> Tensor:
     x_ECK = x_SK.new_zeros(num_experts, capacity, x_SK.shape[1]).index_put((expert_S, slot_S), x_SK)
     y_ECN = torch.bmm(x_ECK, w_ENK.transpose(1, 2))
     return y_ECN[expert_S, slot_S]
+
+
+@torch.library.custom_op("raymoe::grouped_mm", mutates_args=())
+def _traced_grouped_mm(x_SK: Tensor, w_ENK: Tensor, offsets_E: Tensor) -> Tensor:
+    """``torch._grouped_mm`` as one opaque op for the compiler: ``[S, K] x [E, N, K]`` -> ``[S, N]``."""
+    return torch._grouped_mm(x_SK, w_ENK.transpose(-2, -1), offs=offsets_E)
+
+
+@_traced_grouped_mm.register_fake
+def _(x_SK: Tensor, w_ENK: Tensor, offsets_E: Tensor) -> Tensor:
+    return x_SK.new_empty(x_SK.shape[0], w_ENK.shape[1])
+
+
+@torch.library.custom_op("raymoe::grouped_mm_input_grad", mutates_args=())
+def _input_grad(grad_SN: Tensor, w_ENK: Tensor, offsets_E: Tensor) -> Tensor:
+    """``d x [S, K]``: row block ``e`` of ``grad [S, N]`` times ``w[e]``."""
+    return torch._grouped_mm(grad_SN, w_ENK, offs=offsets_E)
+
+
+@_input_grad.register_fake
+def _(grad_SN: Tensor, w_ENK: Tensor, offsets_E: Tensor) -> Tensor:
+    return grad_SN.new_empty(grad_SN.shape[0], w_ENK.shape[2])
+
+
+@torch.library.custom_op("raymoe::grouped_mm_weight_grad", mutates_args=())
+def _weight_grad(grad_SN: Tensor, x_SK: Tensor, offsets_E: Tensor) -> Tensor:
+    """``d w [E, N, K]``: ``grad_e^T x_e`` over each expert's row block (zero for an expert with no rows)."""
+    return torch._grouped_mm(grad_SN.transpose(0, 1), x_SK, offs=offsets_E)
+
+
+@_weight_grad.register_fake
+def _(grad_SN: Tensor, x_SK: Tensor, offsets_E: Tensor) -> Tensor:
+    return grad_SN.new_empty(offsets_E.shape[0], grad_SN.shape[1], x_SK.shape[1])
+
+
+def _setup_context(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:
+    x_SK, w_ENK, offsets_E = inputs
+    ctx.save_for_backward(x_SK, w_ENK, offsets_E)
+
+
+def _backward(ctx: Any, grad_SN: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+    x_SK, w_ENK, offsets_E = ctx.saved_tensors
+    grad_SN = grad_SN.contiguous()
+    grad_x = _input_grad(grad_SN, w_ENK, offsets_E) if ctx.needs_input_grad[0] else None
+    grad_w = _weight_grad(grad_SN, x_SK, offsets_E) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_w, None
+
+
+_traced_grouped_mm.register_autograd(_backward, setup_context=_setup_context)

@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -167,6 +168,10 @@ class EpDispatchExpertsParallel(GroupedGemmParallel):
     def install_forward(self, module: nn.Module, mesh: DeviceMesh) -> None:
         _experts_compute(module)  # fail at apply time, not in the first forward
 
+        # Eager inside a compiled block (raymoe.parallel.compiled_blocks): the split sizes are data (a host sync),
+        # so are the shapes of every row block after them, and the all-to-alls' autograd runs as torch wrote it.
+        # The block's graph breaks here, once each way, and is compiled on both sides.
+        @torch.compiler.disable
         def forward(hidden_TH: Tensor, topk_ids_TK: Tensor, topk_weights_TK: Tensor) -> Tensor:
             return self.experts_forward(module, mesh, hidden_TH, topk_ids_TK, topk_weights_TK)
 

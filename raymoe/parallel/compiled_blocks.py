@@ -1,0 +1,69 @@
+"""Regional compilation: each decoder layer's forward compiled by ``torch.compile`` (inductor: C++ on CPU, Triton on
+CUDA), one graph reused by every layer of the same shape.
+
+Applied per rank after the plan rules (TP / EP) and activation checkpointing, before FSDP2, as torchtitan orders
+them::
+
+    layer.__call__                       eager: forward pre-hooks (FSDP2 all-gather, checkpoint region), then
+        layer.forward                    compiled: norms, attention, router, expert GEMMs, residual adds,
+                                         with the styles' redistributions traced inside
+    post-hooks                           eager: FSDP2 reshard, checkpoint end
+
+Only ``forward`` is replaced (an instance attribute), so the hooks stay eager and parameter names stay the hub's.
+Dynamo caches compiled code per code object, so the first layer compiles and the others reuse it while their
+guards hold (same shapes, dtypes and module structure). Where a forward cannot be traced whole (token dispatch's
+all-to-all, whose split sizes are data), dynamo breaks the graph there and compiles the pieces on both sides.
+
+``cache_size_limit`` bounds how many graphs a shape change may add; past it dynamo runs that forward eagerly
+(the same numbers, slower), never recompiles without end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from raymoe.models.common.decoder import CausalLM
+
+COMPILED_ATTR = "_raymoe_compiled"
+# Graphs one decoder forward may hold: a few shapes (training rows, evaluation rows, a last short batch) per mode.
+RECOMPILE_LIMIT = 16
+CACHE_ARG = 3  # DecoderLayer.forward(x, cos, sin, cache, ...)
+
+
+def compile_blocks(model: CausalLM) -> int:
+    """Compile every decoder layer ``model`` runs (in place); returns how many. A second call is refused."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
+    layers = [model.model.layers[index] for index in model.kept_layers()]
+    for layer in layers:
+        if getattr(layer, COMPILED_ATTR, False):
+            raise ValueError(f"{type(layer).__name__} is compiled already: compile_blocks applies once")
+        layer.forward = _compiled(layer)
+        setattr(layer, COMPILED_ATTR, True)
+    return len(layers)
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` holds a decoder layer :func:`compile_blocks` compiled."""
+    return any(getattr(layer, COMPILED_ATTR, False) for layer in module.modules())
+
+
+def _compiled(layer: nn.Module) -> Callable[..., Any]:
+    """The layer's forward, compiled, except a step with a KV cache (generation), which runs the eager forward: its
+    positions change every token, and a one-token step has little to fuse."""
+    eager = layer.forward
+    compiled = torch.compile(eager, dynamic=False)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        cache = args[CACHE_ARG] if len(args) > CACHE_ARG else kwargs.get("cache")
+        return eager(*args, **kwargs) if cache is not None else compiled(*args, **kwargs)
+
+    return forward
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling so far (dynamo and inductor, forward and backward graphs)."""
+    return float(torch._dynamo.utils.calculate_time_spent().get("total_wall_time", 0.0))

@@ -1,0 +1,27 @@
+"""Whether the ranks compile their decoder blocks (:mod:`raymoe.parallel.compiled_blocks`): ``from_pretrained``'s
+``compile=`` and ``finetune.py --compile/--no-compile``.
+
+    None    the default: compiled where the ranks compute on CUDA GPUs, eager on CPU
+    True    compiled on any device (inductor's C++ backend on CPU)
+    False   eager everywhere (the escape when a compiled graph misbehaves)
+
+CPU stays eager by default because there compilation costs more than it saves in most runs: on 2 cores a cold
+compile of one block shape takes about 45 s per rank (every rank compiles the same graph), for a steady-state
+step 0-15 % faster (``benchmarks/bench_layouts.py --compile``). Generation's one-token steps always run eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_compile(value: object) -> bool | None:
+    """``value`` as the spec holds it; anything but ``True``, ``False`` or ``None`` is one clear error."""
+    if value is None or isinstance(value, bool):
+        return value
+    raise ValueError(f"compile={value!r}: pass True (compile the decoder blocks), False (eager) or None (the default)")
+
+
+def compiles_on(value: bool | None, device: torch.device) -> bool:
+    """Whether a rank computing on ``device`` compiles, given the spec's ``value``."""
+    return value if value is not None else device.type == "cuda"

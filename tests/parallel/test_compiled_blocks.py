@@ -1,0 +1,80 @@
+"""Compiled decoder blocks in one process (raymoe.parallel.compiled_blocks): eager's numbers, one graph for every layer,
+no graph break, a bounded number of graphs as shapes change, and generation left eager."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from raymoe import load_model
+from raymoe.models import causal_lm_loss
+from raymoe.models.common.generation import generate
+from raymoe.parallel.activation_checkpoint import apply_activation_checkpointing
+from raymoe.parallel.compiled_blocks import compile_blocks, compile_seconds, is_compiled
+from raymoe.spec.compile import check_compile, compiles_on
+
+pytestmark = pytest.mark.slow  # inductor compiles C++ (tens of seconds on 2 cores); make test-fast skips it
+
+MOE = "moe_e8_k2_mha"
+
+
+def _batches(vocab, shapes, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, shape, generator=gen) for shape in shapes]
+
+
+def _train(model, batches):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for ids in batches:
+        loss = causal_lm_loss(model(ids), ids)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _graphs():
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "selective"])
+def test_compiled_blocks_train_like_eager_with_one_graph_for_every_layer(tiny_checkpoint, checkpointing):
+    directory = tiny_checkpoint(MOE)
+    eager, compiled = load_model(directory).train(), load_model(directory).train()
+    for model in (eager, compiled):
+        apply_activation_checkpointing(model, checkpointing)
+    torch._dynamo.reset()
+    counters.clear()
+    assert compile_blocks(compiled) == len(compiled.model.layers) == 2 and is_compiled(compiled)
+    before = compile_seconds()
+    batches = _batches(eager.config.vocab_size, [(4, 12)] * 3)
+    want, got = _train(eager, batches), _train(compiled, batches)
+    assert all(abs(g - w) <= 1e-5 * abs(w) for g, w in zip(got, want, strict=True)), (got, want)
+    assert compile_seconds() > before
+    assert _graphs() == (1, 0)  # the first layer's graph serves the second; nothing breaks it
+    # another row length adds one graph (then reused), not one per step
+    more = _batches(eager.config.vocab_size, [(4, 20)] * 2, seed=1)
+    assert _train(compiled, more) == pytest.approx(_train(eager, more), rel=1e-5)
+    assert _graphs() == (2, 0)
+    # generation's cached steps run the eager forward: the same tokens, no graph
+    prompt = batches[0][:2, :5]
+    with torch.no_grad():
+        tokens = generate(compiled, prompt, 4, eos_token_ids=())
+        assert torch.equal(tokens, generate(eager, prompt, 4, eos_token_ids=()))
+    assert _graphs() == (2, 0)
+
+
+def test_a_model_compiles_once(tiny_checkpoint):
+    model = load_model(tiny_checkpoint(MOE))
+    compile_blocks(model)
+    with pytest.raises(ValueError, match="compiled already"):
+        compile_blocks(model)
+
+
+def test_the_compile_option_is_a_bool_or_none():
+    assert check_compile(None) is None and check_compile(True) is True
+    with pytest.raises(ValueError, match=r"compile='yes'.*True.*False.*None"):
+        check_compile("yes")
+    assert compiles_on(None, torch.device("cuda")) and not compiles_on(None, torch.device("cpu"))
+    assert compiles_on(True, torch.device("cpu")) and not compiles_on(False, torch.device("cuda"))

@@ -1,0 +1,77 @@
+"""Compiled decoder blocks (issue 33) train exactly like one process: one layout per mechanism that runs inside a block
+(FSDP2's hooks, TP's redistributions, sequence parallelism, token dispatch, masked experts, context parallelism by ring
+and all-to-all, pipeline stages, activation checkpointing) and the families with their own attention (gpt-oss's
+sinks and windows, DeepSeek-V3's latent attention); the counts of graphs and graph breaks under token dispatch."""
+
+import pytest
+
+MOE = "moe_e8_k2_mha"  # 8 experts, top-2, 4 heads
+GPT_OSS = "gptoss_e4_k3_gqa2_window5"  # sinks, a sliding window, expert biases
+DEEPSEEK = "deepseekv3_e8_k3_groups_qlora_yarn"  # multi-head latent attention, grouped routing
+SEQ = 32  # context parallelism: a multiple of 2 * cp_size
+MASKED = {"model.layers.*.mlp.gate": "ep_router", "model.layers.*.mlp.experts": "moe_tp_experts"}
+LAYOUTS = {
+    "fsdp2": {"fsdp_size": 2},
+    "tp2": {"tp_size": 2},
+    "tp2-sp": {"tp_size": 2, "enable_sequence_parallel": True},
+    "tp2-ep2": {"tp_size": 2, "ep_size": 2},
+    "tp2-fsdp2-ep2": {"tp_size": 2, "fsdp_size": 2, "ep_size": 2},
+    "tp2-ep2-masked": {"tp_size": 2, "ep_size": 2, "ep_plan": MASKED},
+    "fsdp2-selective": {"fsdp_size": 2, "activation_checkpointing": "selective"},
+    "pp2": {"pp_size": 2, "pp_microbatches": 2},
+}
+# (checkpoint, layout, seq): the other families, and context parallelism
+FAMILY_LAYOUTS = {
+    "gpt-oss-cp2": (GPT_OSS, {"cp_size": 2}),
+    "gpt-oss-cp2-all_to_all": (GPT_OSS, {"cp_size": 2, "cp_mode": "all_to_all"}),
+    "deepseek-fsdp2-ep2": (DEEPSEEK, {"fsdp_size": 2, "ep_size": 2}),
+}
+ZERO_GRADIENT = {DEEPSEEK: ("self_attn.kv_a_proj_with_mqa.bias",)}  # see tests/rank/conftest.py
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_compiled_layout_trains_like_one_process(check_layout, tmp_path, layout):
+    check_layout(LAYOUTS[layout], tmp_path, MOE, compile=True)
+
+
+@pytest.mark.parametrize("case", list(FAMILY_LAYOUTS))
+def test_compiled_families_train_like_one_process(check_layout, tmp_path, case):
+    name, layout = FAMILY_LAYOUTS[case]
+    check_layout(layout, tmp_path, name, seq=SEQ, zero_gradient=ZERO_GRADIENT.get(name, ()), compile=True)
+
+
+def dynamo_counts(ctx):
+    """``(whether the rank's blocks are compiled, graphs compiled, graph breaks by reason)`` in this rank's process so
+    far (dynamo's counters: they add up over every test the shared world ran)."""
+    from torch._dynamo.utils import counters
+
+    from raymoe.parallel.compiled_blocks import is_compiled
+
+    compiled = all(is_compiled(part) for part in ctx.require_model().parts) if ctx.loaded is not None else False
+    return compiled, counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+
+
+def test_token_dispatch_breaks_the_graph_only_at_the_experts_and_never_recompiles(load_on_world, tiny_checkpoint):
+    """Token dispatch's split sizes are data: the compiled block breaks at the experts' forward (which runs eagerly)
+    and at FSDP2's hooks of the experts' unit around it (functions dynamo is told not to trace), and new routings in
+    later steps compile nothing more."""
+    import torch
+
+    directory = tiny_checkpoint(MOE)
+    gen = torch.Generator().manual_seed(0)
+    with load_on_world(directory, LAYOUTS["tp2-ep2"], compile=True) as model:
+        model.configure_training(lr=1e-2)
+        before = model.run_on_ranks(dynamo_counts)
+        for _ in range(2):
+            model.train_step(torch.randint(0, 96, (8, 10), generator=gen))
+        warm = model.run_on_ranks(dynamo_counts)
+        metrics = [model.train_step(torch.randint(0, 96, (8, 10), generator=gen)) for _ in range(4)]
+        after = model.run_on_ranks(dynamo_counts)
+    for (_, graphs_before, breaks_before), (compiled, graphs, breaks) in zip(before, warm, strict=True):
+        assert compiled
+        new_breaks = {reason: n - breaks_before.get(reason, 0) for reason, n in breaks.items()}
+        assert all("disable" in reason for reason, n in new_breaks.items() if n), new_breaks
+        # at most the pieces between the breaks, once for both layers (fewer where an earlier test compiled them)
+        assert sum(new_breaks.values()) <= 3 and graphs - graphs_before <= 4, (new_breaks, graphs - graphs_before)
+    assert after == warm  # four more steps, four new routings: nothing recompiled
+    assert "compile_s" not in metrics[0]
