@@ -95,14 +95,28 @@ def world(ray_session):
         started.shutdown()
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--compiled-blocks",
+        action="store_true",
+        help="load_on_world loads with compile=True unless a test says otherwise: every layout test on compiled "
+        "decoder blocks (on CPU the default is eager; slow: each new graph compiles in C++)",
+    )
+
+
 @pytest.fixture(scope="session")
-def load_on_world(world):
-    """``load_on_world(checkpoint, config_dict, **kwargs)``: ``from_pretrained`` onto the shared world of that size."""
+def load_on_world(world, pytestconfig):
+    """``load_on_world(checkpoint, config_dict, **kwargs)``: ``from_pretrained`` onto the shared world of that size
+    (with ``compile=True`` by default under ``pytest --compiled-blocks``)."""
     import raymoe
     from raymoe import DistributedConfig
 
+    compiled = pytestconfig.getoption("--compiled-blocks")
+
     def load(checkpoint, config=None, **kwargs):
         layout = DistributedConfig(**(config or {}))
+        if compiled:
+            kwargs.setdefault("compile", True)
         return raymoe.from_pretrained(checkpoint, distributed_config=layout, world=world(layout.world_size), **kwargs)
 
     return load

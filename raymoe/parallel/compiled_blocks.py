@@ -12,10 +12,12 @@ them::
 Only ``forward`` is replaced (an instance attribute), so the hooks stay eager and parameter names stay the hub's.
 Dynamo caches compiled code per code object, so the first layer compiles and the others reuse it while their
 guards hold (same shapes, dtypes and module structure). Where a forward cannot be traced whole (token dispatch's
-all-to-all, whose split sizes are data), dynamo breaks the graph there and compiles the pieces on both sides.
+all-to-all, whose split sizes are data: :class:`~raymoe.parallel.styles.expert.EpDispatchExpertsParallel` keeps that
+forward eager), dynamo breaks the graph there and compiles the pieces on both sides.
 
-``cache_size_limit`` bounds how many graphs a shape change may add; past it dynamo runs that forward eagerly
-(the same numbers, slower), never recompiles without end.
+Shapes are static (``dynamic=False``): a new batch shape compiles one more graph, then reuses it. Dynamo's
+``recompile_limit`` (raised to :data:`RECOMPILE_LIMIT`) bounds how many a layer may collect; past it dynamo runs that
+forward eagerly (the same numbers, slower), so nothing recompiles without end.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ CACHE_ARG = 3  # DecoderLayer.forward(x, cos, sin, cache, ...)
 
 def compile_blocks(model: CausalLM) -> int:
     """Compile every decoder layer ``model`` runs (in place); returns how many. A second call is refused."""
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     layers = [model.model.layers[index] for index in model.kept_layers()]
     for layer in layers:
         if getattr(layer, COMPILED_ATTR, False):
