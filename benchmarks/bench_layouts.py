@@ -10,6 +10,8 @@ machine's state:
     one process               transformers (grouped_mm experts), raymoe.load_model: no process group
     transformers + torchrun   transformers' DistributedConfig, one process per rank (gloo on CPU, NCCL on GPU)
     raymoe on Ray             raymoe.from_pretrained, one Ray actor per rank, driver round trip every step
+    ... reshard always        (--reshard-always) raymoe with DistributedConfig(fsdp_reshard_after_forward="always"):
+                              every FSDP2 unit gathers again in backward, the default before "auto"
     ... compiled              the same with compiled decoder blocks (raymoe: compile=True, each block's forward;
                               transformers, with --transformers-compile: model.compile(), its users' way); the
                               compilation happens in the warm-up steps and its seconds are the "compile s" column
@@ -301,6 +303,9 @@ def measure_layout(
         systems["transformers+torchrun compiled"] = partial(transformers_run, directory, layout, shape, args, True)
     if args.compile:
         systems["raymoe compiled on Ray"] = partial(raymoe_on_ray, directory, layout, shape, args, True)
+    if args.reshard_always:
+        always = {**layout, "fsdp_reshard_after_forward": "always"}
+        systems[RESHARD_ALWAYS] = partial(raymoe_on_ray, directory, always, shape, args)
     for _ in range(args.rounds):
         for system, run in systems.items():
             measure(rows, (shape_name, name, system), world_of(layout), run, shape, args)
@@ -328,7 +333,9 @@ def ac_row(mode: str, shape: Shape) -> str:
     return f"{AC_LAYOUT} ac={mode} ({shape.batch}x{shape.seq})"
 
 
-EAGER_OF = {"raymoe compiled": "raymoe", "raymoe compiled on Ray": "raymoe on Ray"}
+RESHARD_ALWAYS = "raymoe on Ray, reshard always"
+# the column "vs raymoe eager": compiled over eager; the default (reshard auto) over "always" (the choice before it)
+EAGER_OF = {"raymoe compiled": "raymoe", "raymoe compiled on Ray": "raymoe on Ray", "raymoe on Ray": RESHARD_ALWAYS}
 TRANSFORMERS_OF = {"one process": "transformers"}  # else "transformers+torchrun"
 
 
@@ -425,6 +432,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--transformers-compile", action="store_true", help="rows of transformers after model.compile() too"
+    )
+    parser.add_argument(
+        "--reshard-always",
+        action="store_true",
+        help="rows of raymoe with fsdp_reshard_after_forward='always' too (every unit gathers again in backward: the "
+        "behaviour before 'auto'); the default row's 'vs raymoe eager' is then its ratio to them",
     )
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()

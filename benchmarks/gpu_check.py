@@ -49,6 +49,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -139,6 +140,7 @@ class Settings:
     rounds: int
     telemetry: bool
     compile: bool = True  # also the compiled rows (issue 33)
+    pure: bool = True  # also a raymoe row in bf16-pure, transformers' own precision
 
 
 # --- timing ---------------------------------------------------------------------------------------
@@ -256,6 +258,16 @@ def block_row(seconds: list[float], flops: float, peak: float | None) -> dict[st
     return row
 
 
+def dense_gemm(settings: Settings) -> dict[str, Any]:
+    """TFLOP/s of a large square matmul in ``settings.dtype`` (8192^3 on a GPU, 512^3 on CPU smoke): the ceiling
+    measured in this run, beside the datasheet's peak."""
+    size = 512 if settings.smoke else 8192
+    gen = torch.Generator(device=settings.device).manual_seed(SEED)
+    a, b = (torch.randn(size, size, generator=gen, device=settings.device, dtype=settings.dtype) for _ in range(2))
+    seconds = [timed(lambda: a @ b, settings.device) for _ in range(13)][3:]
+    return {"size": size, "tflops_median": 2 * size**3 / statistics.median(seconds) / 1e12}
+
+
 def run_block(shape: Shape, settings: Settings, peak: float | None) -> dict[str, Any]:
     """Part A: raymoe's block (and transformers' beside it, where it builds) on ``shape.block_tokens`` tokens."""
     from raymoe.models.moe import select_gemm_backend
@@ -268,6 +280,7 @@ def run_block(shape: Shape, settings: Settings, peak: float | None) -> dict[str,
     experts = raymoe_block.experts
     flops = block_flops(shape, shape.block_tokens)
     result: dict[str, Any] = {
+        "dense_gemm": dense_gemm(settings),
         "tokens": shape.block_tokens,
         "flops_per_iter": flops,
         "gemm_backend": select_gemm_backend(x_BTH[0], experts.gate_up_proj),
@@ -375,12 +388,15 @@ class TransformersRun:
             self.model.parameters(), lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, fused=True
         )
 
-    def step(self, ids_BS: Tensor) -> None:
+    def step(self, ids_BS: Tensor) -> Tensor:
+        """One AdamW step; the loss stays on the device (read after the round, not inside the timing)."""
         ids_BS = ids_BS.to(self.device)
-        self.model(input_ids=ids_BS, labels=ids_BS).loss.backward()
+        loss = self.model(input_ids=ids_BS, labels=ids_BS).loss
+        loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         synchronize(self.device)
+        return loss.detach()
 
     def report(self) -> dict[str, Any]:
         if self.device.type != "cuda":
@@ -406,11 +422,38 @@ def rank_report(ctx: Any) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class RaymoeRow:
+    """One raymoe row of the training part: compiled decoder blocks or not, and the precision policy (None: the
+    default of a bf16 checkpoint, bf16-mixed: fp32 masters)."""
+
+    name: str
+    compiled: bool
+    precision: str | None = None
+
+
+def raymoe_rows(settings: Settings) -> list[RaymoeRow]:
+    rows = [RaymoeRow("raymoe", compiled=False)]
+    if settings.compile:
+        rows.append(RaymoeRow("raymoe compiled", compiled=True))
+    if (
+        settings.pure and settings.dtype == torch.bfloat16
+    ):  # transformers' own setting (bf16 weights and AdamW states): like for like
+        rows.append(
+            RaymoeRow(
+                "raymoe compiled bf16-pure" if settings.compile else "raymoe bf16-pure",
+                compiled=settings.compile,
+                precision="bf16-pure",
+            )
+        )
+    return rows
+
+
 class RaymoeRun:
     """raymoe on a local Ray: ``from_pretrained(world_size=1)`` (one rank actor, one GPU where Ray has one),
     AdamW via ``configure_training`` with the same settings as :class:`TransformersRun`."""
 
-    def __init__(self, directory: Path, settings: Settings, compiled: bool = False) -> None:
+    def __init__(self, directory: Path, settings: Settings, row: RaymoeRow) -> None:
         import ray
 
         import raymoe
@@ -424,17 +467,24 @@ class RaymoeRun:
                 include_dashboard=False,
                 log_to_driver=False,
             )
-        self.name = "raymoe compiled" if compiled else "raymoe"
-        self.compiled = compiled
-        self.model = raymoe.from_pretrained(directory, world_size=1, dtype=settings.dtype, compile=compiled)
+        self.name = row.name
+        self.compiled = row.compiled
+        began = time.perf_counter()
+        self.model = raymoe.from_pretrained(
+            directory, world_size=1, dtype=settings.dtype, compile=row.compiled, precision=row.precision
+        )
+        self.load_s = time.perf_counter() - began
+        self.precision = self.model.precision.describe()
         self.compile_s = 0.0
         self.model.configure_training(
             lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, max_grad_norm=None, telemetry=settings.telemetry
         )
 
-    def step(self, ids_BS: Tensor) -> None:
+    def step(self, ids_BS: Tensor) -> float:
         # returns once the rank has taken the step (its loss is in the answer)
-        self.compile_s += self.model.train_step(ids_BS).get("compile_s", 0.0)
+        metrics = self.model.train_step(ids_BS)
+        self.compile_s += metrics.get("compile_s", 0.0)
+        return float(metrics["loss"])
 
     def report(self) -> dict[str, Any]:
         import ray.cloudpickle
@@ -442,7 +492,12 @@ class RaymoeRun:
         if rank_report.__module__ != "__main__":  # imported (not run as a script): the ranks cannot import it
             ray.cloudpickle.register_pickle_by_value(sys.modules[rank_report.__module__])
         ranks = self.model.run_on_ranks(rank_report)
-        report = {"peak_memory_bytes": ranks[0]["peak_memory_bytes"], "ranks": ranks}
+        report = {
+            "peak_memory_bytes": ranks[0]["peak_memory_bytes"],
+            "ranks": ranks,
+            "precision": self.precision,
+            "load_s": self.load_s,
+        }
         return {**report, "compile_s": self.compile_s} if self.compiled else report
 
     def close(self, keep_ray: bool = False) -> None:
@@ -453,21 +508,26 @@ class RaymoeRun:
             ray.shutdown()
 
 
-def time_steps(run: TransformersRun | RaymoeRun, batches: list[Tensor], settings: Settings) -> float:
-    """Label tokens per second of one round: warm-up steps, then the median of the timed ones."""
-    seconds = [timed(lambda ids=ids: run.step(ids), torch.device("cpu")) for ids in batches]
+def time_steps(
+    run: TransformersRun | RaymoeRun, batches: list[Tensor], settings: Settings
+) -> tuple[float, list[float]]:
+    """Label tokens per second of one round (warm-up steps, then the median of the timed ones) and its losses."""
+    losses: list[Tensor | float] = []
+    seconds = [timed(lambda ids=ids: losses.append(run.step(ids)), torch.device("cpu")) for ids in batches]
     timed_seconds = seconds[settings.train_warmup :]
     batch, seq = batches[0].shape
-    return batch * (seq - 1) / statistics.median(timed_seconds)
+    return batch * (seq - 1) / statistics.median(timed_seconds), [float(loss) for loss in losses]
 
 
 def run_train(shape: Shape, settings: Settings) -> dict[str, Any]:
-    """Part B: both systems loaded once, then ``settings.rounds`` alternating timed rounds; best round each. Then
-    raymoe compiled in raymoe's place (one GPU holds one rank), alternating with transformers again."""
+    """Part B: transformers and raymoe's first row loaded, then ``settings.rounds`` alternating timed rounds (best
+    round each); then each further raymoe row in the previous one's place (one GPU holds one rank), alternating
+    with transformers again. Every system starts from the same checkpoint and steps the same batches: the first
+    round's losses are compared (the first step's on equal weights; later ones drift with the precision)."""
     batches = token_batches(shape, settings.train_warmup + settings.train_steps)
-    speeds: dict[str, list[float]] = {"transformers": [], "raymoe": []} | (
-        {"raymoe compiled": []} if settings.compile else {}
-    )
+    rows = raymoe_rows(settings)
+    speeds: dict[str, list[float]] = {"transformers": [], **{row.name: [] for row in rows}}
+    losses: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         began = time.perf_counter()
         write_checkpoint(Path(tmp), shape, settings)
@@ -475,16 +535,21 @@ def run_train(shape: Shape, settings: Settings) -> dict[str, Any]:
         runs: list[TransformersRun | RaymoeRun] = [TransformersRun(Path(tmp), settings)]
         reports: dict[str, dict[str, Any]] = {}
         try:
-            for compiled in (False, True) if settings.compile else (False,):
-                if compiled:  # the eager rank gives its GPU back first
-                    eager = runs.pop()
-                    assert isinstance(eager, RaymoeRun)
-                    eager.close(keep_ray=True)
-                runs.append(RaymoeRun(Path(tmp), settings, compiled=compiled))
+            for row in rows:
+                if len(runs) > 1:  # the previous raymoe rank gives its GPU back first
+                    previous = runs.pop()
+                    assert isinstance(previous, RaymoeRun)
+                    previous.close(keep_ray=True)
+                runs.append(RaymoeRun(Path(tmp), settings, row))
                 for round_index in range(settings.rounds):
                     for run in runs:
-                        speeds[run.name].append(time_steps(run, batches, settings))
-                        print(f"  train round {round_index + 1}: {run.name:<16}{speeds[run.name][-1]:>12.0f} tokens/s")
+                        speed, round_losses = time_steps(run, batches, settings)
+                        speeds[run.name].append(speed)
+                        losses.setdefault(run.name, round_losses)
+                        print(
+                            f"  train round {round_index + 1}: {run.name:<26}{speed:>12.0f} tokens/s, "
+                            f"first loss {round_losses[0]:.4f}"
+                        )
                 reports.update({run.name: run.report() for run in runs})
         finally:
             for run in reversed(runs):
@@ -498,12 +563,21 @@ def run_train(shape: Shape, settings: Settings) -> dict[str, Any]:
         "checkpoint_write_s": checkpoint_s,
         "raymoe_telemetry": settings.telemetry,
     }
+    reference = speeds["transformers"]
     for name, rounds in speeds.items():
-        result[name] = {"tokens_per_s": max(rounds), "tokens_per_s_rounds": rounds, **reports[name]}
-    result["ratio_raymoe_over_transformers"] = result["raymoe"]["tokens_per_s"] / result["transformers"]["tokens_per_s"]
+        result[name] = {
+            "tokens_per_s": max(rounds),
+            "tokens_per_s_rounds": rounds,
+            "first_round_losses": losses[name],
+            **reports[name],
+        }
+        if name != "transformers":
+            result[name]["over_transformers"] = max(rounds) / max(reference)
+            result[name]["first_loss_minus_transformers"] = losses[name][0] - losses["transformers"][0]
+    result["ratio_raymoe_over_transformers"] = result["raymoe"]["over_transformers"]
     if settings.compile:
         compiled_speed = result["raymoe compiled"]["tokens_per_s"]
-        result["ratio_raymoe_compiled_over_transformers"] = compiled_speed / result["transformers"]["tokens_per_s"]
+        result["ratio_raymoe_compiled_over_transformers"] = result["raymoe compiled"]["over_transformers"]
         result["ratio_raymoe_compiled_over_eager"] = compiled_speed / result["raymoe"]["tokens_per_s"]
     return result
 
@@ -522,6 +596,8 @@ def percent(row: dict[str, Any], key: str) -> str:
 def print_block(block: dict[str, Any], peak: float | None, peak_note: str) -> None:
     print(f"\nA. MoE block forward+backward, {block['tokens']} tokens, grouped GEMM backend {block['gemm_backend']}")
     print(f"   peak: {'n/a' if peak is None else f'{peak:.0f} TFLOP/s'} ({peak_note})")
+    gemm = block["dense_gemm"]
+    print(f"   measured: {gemm['size']}^3 matmul at {gemm['tflops_median']:.4g} TFLOP/s (median of 10)")
     print(f"   {'system':<14}{'median ms':>10}{'TFLOP/s':>10}{'% peak':>8}{'best ms':>10}{'TFLOP/s':>10}{'% peak':>8}")
     for name in ("raymoe", "transformers", "raymoe compiled"):
         if name not in block:
@@ -541,21 +617,21 @@ def print_block(block: dict[str, Any], peak: float | None, peak_note: str) -> No
 
 def print_train(train: dict[str, Any]) -> None:
     print(f"\nB. one-rank training, batch {train['batch']}x{train['seq']}, best of the rounds")
-    print(f"   {'system':<14}{'tokens/s':>12}{'peak memory':>16}")
-    for name in ("transformers", "raymoe", "raymoe compiled"):
-        if name not in train:
-            continue
+    print(f"   {'system':<28}{'tokens/s':>12}{'/ transformers':>16}{'peak memory':>14}{'first loss':>12}")
+    names = [name for name, row in train.items() if isinstance(row, dict) and "tokens_per_s" in row]
+    for name in names:
         row = train[name]
-        compiled = f"   compiled in {row['compile_s']:.0f} s" if "compile_s" in row else ""
-        print(f"   {name:<17}{row['tokens_per_s']:>12.0f}{gib(row['peak_memory_bytes']):>16}{compiled}")
+        ratio = f"{row['over_transformers']:.2f}" if "over_transformers" in row else ""
+        extra = f"   compiled in {row['compile_s']:.0f} s" if "compile_s" in row else ""
+        extra += f"   ({row['precision']})" if "precision" in row else ""
+        print(
+            f"   {name:<28}{row['tokens_per_s']:>12.0f}{ratio:>16}{gib(row['peak_memory_bytes']):>14}"
+            f"{row['first_round_losses'][0]:>12.4f}{extra}"
+        )
     ranks = train["raymoe"].get("ranks") or [{}]
     print(f"   raymoe rank 0: backend {ranks[0].get('backend')}, device {ranks[0].get('device')}")
-    print(f"   raymoe / transformers = {train['ratio_raymoe_over_transformers']:.2f}")
-    if "ratio_raymoe_compiled_over_transformers" in train:
-        print(
-            f"   raymoe compiled / transformers = {train['ratio_raymoe_compiled_over_transformers']:.2f}, "
-            f"/ raymoe eager = {train['ratio_raymoe_compiled_over_eager']:.2f}"
-        )
+    if "ratio_raymoe_compiled_over_eager" in train:
+        print(f"   raymoe compiled / raymoe eager = {train['ratio_raymoe_compiled_over_eager']:.2f}")
 
 
 # --- command line ---------------------------------------------------------------------------------
@@ -586,6 +662,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--telemetry", action="store_true", help="raymoe records routing telemetry each step")
     parser.add_argument(
         "--compile", action=argparse.BooleanOptionalAction, default=True, help="the compiled rows too (default: on)"
+    )
+    parser.add_argument(
+        "--pure",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also raymoe in bf16-pure (bf16 weights and AdamW states, as transformers trains here; default: on)",
     )
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, instead of the name table")
     parser.add_argument("--out", type=Path, default=default_out(), help="JSON file of every figure")
@@ -621,6 +703,7 @@ def settings_and_shape(args: argparse.Namespace) -> tuple[Settings, Shape]:
         rounds=args.rounds,
         telemetry=args.telemetry,
         compile=args.compile,
+        pure=args.pure,
     )
     return settings, shape
 
@@ -647,6 +730,27 @@ def environment(settings: Settings) -> dict[str, Any]:
     return info
 
 
+def run_part(part: str, shape: Shape, settings: Settings, peak: float | None, peak_note: str) -> dict[str, Any]:
+    """One part's figures (printed as they come)."""
+    if part == "block":
+        block = run_block(shape, settings, peak)
+        print_block(block, peak, peak_note)
+        return block
+    if part == "train":
+        train = run_train(shape, settings)
+        print_train(train)
+        return train
+    if part == "readiness":
+        return run_readiness(settings.device)
+    print("\nring attention's block kernels against float64 attention (issue 32)")
+    return run_context(settings.device)
+
+
+def write_result(out: Path, result: dict[str, Any]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     settings, shape = settings_and_shape(args)
@@ -665,22 +769,19 @@ def main(argv: list[str] | None = None) -> None:
         "peak_bf16_tflops": peak,
         "peak_note": peak_note,
     }
-    if "block" in args.parts:
-        result["block"] = run_block(shape, settings, peak)
+    for part in ("block", "train", "readiness", "context"):
+        if part not in args.parts:
+            continue
         release_memory(settings.device)
-        print_block(result["block"], peak, peak_note)
-    if "train" in args.parts:
-        result["train"] = run_train(shape, settings)
-        print_train(result["train"])
-    if "readiness" in args.parts:
-        release_memory(settings.device)
-        result["readiness"] = run_readiness(settings.device)
-    if "context" in args.parts:
-        release_memory(settings.device)
-        print("\nring attention's block kernels against float64 attention (issue 32)")
-        result["context"] = run_context(settings.device)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+        began = time.perf_counter()
+        try:
+            result[part] = run_part(part, shape, settings, peak, peak_note)
+        except Exception as error:  # a failing part is a finding: the others still run, the JSON says why
+            traceback.print_exc()
+            result[part] = {"error": f"{type(error).__name__}: {error}"}
+            print(f"\n{part}: FAILED: {result[part]['error']}")
+        result.setdefault("part_seconds", {})[part] = time.perf_counter() - began
+        write_result(args.out, result)  # after every part: a run stopped at its time limit keeps what it had
     print(f"\nwrote {args.out}")
 
 

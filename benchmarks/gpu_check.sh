@@ -23,6 +23,7 @@
 #          pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
 #          typing_extensions==4.16.0 packaging==26.4
 #          jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
+#          transformers==5.23.0  (the tests' reference version; the image's is older; 13 MB, ~58 MiB in all)
 #   2. One device call, carrying the wheels (this script installs them when ray or pydantic is missing, with
 #      the README's line
 #          python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -48,6 +49,7 @@ WHEELS=(
     pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
     typing_extensions==4.16.0 packaging==26.4
     jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
+    transformers==5.23.0
 )
 
 # Download the wheels the device machine lacks into $WHEEL_DIR and shrink ray's below the carry limit.

@@ -185,6 +185,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "outputs (selective); less memory, same numbers (default: %(default)s)",
     )
     layout.add_argument(
+        "--fsdp-reshard-after-forward",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="FSDP2 units free their gathered weights after forward and gather them again in backward (always), keep "
+        "them until backward (never: one all-gather a step instead of two, the gathered model's memory more), or "
+        "keep them where they take at most 1/8 of the free device memory (auto) (default: %(default)s)",
+    )
+    layout.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -366,7 +374,7 @@ def number(text: str) -> int | float:
 
 def layout_of(args: argparse.Namespace) -> dict[str, Any]:
     """DEFAULT_LAYOUT with the sizes given on the command line replacing its entries (and activation
-    checkpointing, sequence parallelism and masked EP, when asked for)."""
+    checkpointing, sequence parallelism, FSDP2's reshard choice and masked EP, when asked for)."""
     given = {
         "tp_size": args.tp_size,
         "fsdp_size": args.fsdp_size,
@@ -383,6 +391,8 @@ def layout_of(args: argparse.Namespace) -> dict[str, Any]:
         layout["activation_checkpointing"] = args.activation_checkpointing
     if args.sequence_parallel:
         layout["enable_sequence_parallel"] = True
+    if args.fsdp_reshard_after_forward != "auto":
+        layout["fsdp_reshard_after_forward"] = args.fsdp_reshard_after_forward
     return layout
 
 

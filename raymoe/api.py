@@ -53,7 +53,7 @@ def from_pretrained(
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
     lora: LoraConfig | str | os.PathLike[str] | dict[str, Any] | None = None,
     quantized_experts: str | None = None,
-    compile: bool | None = None,
+    compile: bool | str | None = None,
 ) -> DistributedModel:
     """Load ``name_or_path`` (a local directory or a hub id) sharded over Ray rank actors.
 
@@ -71,8 +71,9 @@ def from_pretrained(
 
     ``compile`` (:mod:`raymoe.spec.compile`): ``torch.compile`` each decoder block's forward on the ranks (after TP/EP
     and activation checkpointing, before FSDP2). ``None`` (default): on CUDA GPUs, not on CPU; ``True``: on any
-    device; ``False``: eager everywhere. A block compiles at its first step of a new shape (the progress output
-    says how long); generation stays eager.
+    device; ``False``: eager everywhere; a backend's name (``"aot_eager"``, ``"inductor"``): on any device, by that
+    backend. A block compiles at its first step of a new shape (the progress output says how long); generation stays
+    eager.
 
     A relative directory is taken from this process's working directory and sent to the ranks as an absolute
     path (rank processes may run elsewhere: another directory, another node).

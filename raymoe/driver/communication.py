@@ -1,7 +1,8 @@
 """The bytes one rank sends in one training step, by collective: an estimate from the layout, the model's shapes
 and what the rank holds (``raymoe.plan`` ranks the layouts that fit by it).
 
-    fsdp_all_gather       FSDP2 gathers each layer's weights in forward and again in backward (compute dtype)
+    fsdp_all_gather       FSDP2 gathers each layer's weights in forward and again in backward (compute dtype;
+                          once where every unit keeps them until backward: raymoe.spec.reshard)
     fsdp_reduce_scatter   and reduce-scatters its gradients (reduce dtype)
     replicate_all_reduce  HSDP: the gradient shards summed across replicas
     tp_all_reduce         the row-parallel outputs of attention and feed-forward (and masked EP's partial sums),
@@ -25,7 +26,7 @@ from raymoe.spec.topology import Axis
 class Communication:
     """Bytes one rank sends in one training step, by collective (an estimate from the layout and the shapes)."""
 
-    fsdp_all_gather: int = 0  # weights gathered in forward and again in backward
+    fsdp_all_gather: int = 0  # weights gathered in forward and again in backward (or once, kept until backward)
     fsdp_reduce_scatter: int = 0  # gradients
     replicate_all_reduce: int = 0  # HSDP: gradients across replicas
     tp_all_reduce: int = 0  # activations at row-parallel outputs (masked EP's partial sums too), forward + backward
@@ -45,10 +46,17 @@ class Communication:
 
 
 def communication_per_step(
-    spec: LaunchSpec, rank: RankMemory, compute_bytes: int, reduce_bytes: int, seq_len: int, rows: int
+    spec: LaunchSpec,
+    rank: RankMemory,
+    compute_bytes: int,
+    reduce_bytes: int,
+    seq_len: int,
+    rows: int,
+    keeps_gathered: bool = False,
 ) -> Communication:
     """Bytes one rank sends per step, by collective: ring collectives send ``(n - 1) / n`` of their buffer (twice
-    for an all-reduce); FSDP2 gathers each layer in forward and again in backward, reduce-scatters its gradients."""
+    for an all-reduce); FSDP2 gathers each layer in forward and again in backward (once, where every unit
+    ``keeps_gathered`` its weights until backward), reduce-scatters its gradients."""
     topology, config = spec.topology, spec.config
     layout = topology.config
     tp, cp, ep = topology.axis_size(Axis.TP), topology.axis_size(Axis.CP), layout.ep_size or 1
@@ -63,7 +71,7 @@ def communication_per_step(
     top_k = config.moe.num_experts_per_tok if config.moe is not None else 0
     kv_width = 2 * config.num_key_value_heads * config.head_dim / tp
     return Communication(
-        fsdp_all_gather=round(2 * gathered * _ring(shard)) if shard > 1 else 0,
+        fsdp_all_gather=round((1 if keeps_gathered else 2) * gathered * _ring(shard)) if shard > 1 else 0,
         fsdp_reduce_scatter=round(grads * _ring(shard)) if shard > 1 else 0,
         replicate_all_reduce=round(2 * grads / shard * _ring(replicas)) if replicas > 1 else 0,
         tp_all_reduce=round(4 * layers * 2 * tokens * hidden * compute_bytes * _ring(tp)) if tp > 1 else 0,

@@ -46,6 +46,7 @@ from raymoe.spec.config import DistributedConfig
 from raymoe.spec.launch import DTYPES, LaunchSpec, prepare_launch
 from raymoe.spec.lora import LoraConfig
 from raymoe.spec.precision import resolve_policy
+from raymoe.spec.reshard import keeps_every_unit
 
 DEVICES = ("cuda", "cpu")
 PLANS_LOGGER = "raymoe.spec.plans"
@@ -194,6 +195,9 @@ def _plan_layout(
     policy = resolve_policy(spec.precision, spec.torch_dtype, checkpoint_dtype)
     compute, reduce = policy.compute.itemsize, policy.reduce.itemsize
     config, layout = spec.config, topology.config
+    # the ranks decide at load against their free memory: here, an empty device of the budget's size
+    kept = max(p.gathered for p in planned)
+    keeps = kept > 0 and keeps_every_unit(layout.fsdp_reshard_after_forward, kept, budget)
 
     def estimate(checkpointing: str) -> StepActivations:
         return estimate_activations(
@@ -204,6 +208,7 @@ def _plan_layout(
             compute_bytes=compute,
             layer_gathered=gathering.layer_gathered,
             layer_gradients=gathering.layer_gradients,
+            kept_gathered=kept if keeps else 0,
             device=device,
         )
 
@@ -214,7 +219,9 @@ def _plan_layout(
         ranks=ranks,
         activations=plain,
         activations_checkpointed=checkpointed,
-        communication=communication_per_step(spec, max(ranks, key=lambda r: r.states), compute, reduce, seq_len, rows),
+        communication=communication_per_step(
+            spec, max(ranks, key=lambda r: r.states), compute, reduce, seq_len, rows, keeps_gathered=keeps
+        ),
         rows=rows,
         gpu_memory=budget,
     )

@@ -16,8 +16,9 @@ all-to-all, whose split sizes are data: :class:`~raymoe.parallel.styles.expert.E
 forward eager), dynamo breaks the graph there and compiles the pieces on both sides.
 
 Shapes are static (``dynamic=False``): a new batch shape compiles one more graph, then reuses it. Dynamo's
-``recompile_limit`` (raised to :data:`RECOMPILE_LIMIT`) bounds how many a layer may collect; past it dynamo runs that
-forward eagerly (the same numbers, slower), so nothing recompiles without end.
+``recompile_limit`` (raised to :data:`RECOMPILE_LIMIT`) bounds how many a layer's forward may collect; past it dynamo
+runs that forward eagerly (the same numbers, slower), so nothing recompiles without end. The count starts again at
+every load (:func:`compile_blocks`).
 """
 
 from __future__ import annotations
@@ -36,14 +37,22 @@ RECOMPILE_LIMIT = 16
 CACHE_ARG = 3  # DecoderLayer.forward(x, cos, sin, cache, ...)
 
 
-def compile_blocks(model: CausalLM) -> int:
-    """Compile every decoder layer ``model`` runs (in place); returns how many. A second call is refused."""
+def compile_blocks(model: CausalLM, backend: str = "inductor") -> int:
+    """Compile every decoder layer ``model`` runs (in place) with the ``torch.compile`` ``backend``; returns how many.
+    A second call is refused.
+
+    Dynamo's caches are reset first (``torch._dynamo.reset``): its graphs are kept per code object, which every
+    decoder layer of a class shares with those of models loaded earlier in this process (a world outlives a model),
+    and its recompile limit counts them all; without the reset, a world that loaded enough models would run the next
+    one's blocks eagerly, silently. So each load starts from none (inductor's on-disk cache still serves a graph it
+    compiled before)."""
+    torch._dynamo.reset()
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     layers = [model.model.layers[index] for index in model.kept_layers()]
     for layer in layers:
         if getattr(layer, COMPILED_ATTR, False):
             raise ValueError(f"{type(layer).__name__} is compiled already: compile_blocks applies once")
-        layer.forward = _compiled(layer)
+        layer.forward = _compiled(layer, backend)
         setattr(layer, COMPILED_ATTR, True)
     return len(layers)
 
@@ -53,11 +62,11 @@ def is_compiled(module: nn.Module) -> bool:
     return any(getattr(layer, COMPILED_ATTR, False) for layer in module.modules())
 
 
-def _compiled(layer: nn.Module) -> Callable[..., Any]:
+def _compiled(layer: nn.Module, backend: str) -> Callable[..., Any]:
     """The layer's forward, compiled, except a step with a KV cache (generation), which runs the eager forward: its
     positions change every token, and a one-token step has little to fuse."""
     eager = layer.forward
-    compiled = torch.compile(eager, dynamic=False)
+    compiled = torch.compile(eager, dynamic=False, backend=backend)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         cache = args[CACHE_ARG] if len(args) > CACHE_ARG else kwargs.get("cache")

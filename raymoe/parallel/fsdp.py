@@ -35,6 +35,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
+from raymoe.models.common.decoder import CausalLM
+
 RESHARD_AFTER_FORWARD = {"free_full_weight": True, "keep_full_weight": False}
 
 
@@ -108,6 +110,48 @@ def apply_fsdp(model: nn.Module, units: FsdpUnits, device: torch.device) -> None
             module.set_force_sum_reduction_for_comms(True)
 
 
+def gathered_bytes(model: nn.Module) -> int:
+    """Bytes of every FSDP2 unit's gathered parameters in ``model``, in the dtype each computes in: what this rank holds
+    at a step's peak when every unit keeps its gathered weights until backward."""
+    total = 0
+    for _, state in _units(model):
+        casts_to = state._mp_policy.param_dtype
+        for group in state._fsdp_param_groups:
+            for param in group.fsdp_params:
+                held = param.sharded_param.dtype
+                dtype = casts_to if casts_to is not None and held.is_floating_point else held
+                total += param._orig_size.numel() * dtype.itemsize
+    return total
+
+
+def keep_gathered_after_forward(model: CausalLM, every_unit: bool, last_layer: bool) -> None:
+    """Units of ``model`` (FSDP2 applied) that keep their gathered weights from forward until their backward
+    (:mod:`raymoe.spec.reshard`): ``every_unit``, or else, with ``last_layer``, the last decoder layer it runs (with the
+    units inside it: its experts, a float32 router), whose backward comes first. The others keep their own setting."""
+    if every_unit:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_reshard_after_forward(False, recurse=False)
+        return
+    kept = model.kept_layers()
+    if last_layer and kept:
+        layer = model.model.layers[kept[-1]]
+        if isinstance(layer, FSDPModule):
+            layer.set_reshard_after_forward(False, recurse=True)
+
+
+def _units(model: nn.Module) -> list[tuple[FSDPModule, FSDPState]]:
+    """Each FSDP2 unit of ``model`` once, by its first module (a unit over several modules, the norm and head, is one)
+    and its state."""
+    units: list[tuple[FSDPModule, FSDPState]] = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            if not any(state is other for _, other in units):
+                units.append((module, state))
+    return units
+
+
 def mixed_precision(compute_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
     """Parameters cast to ``compute_dtype`` for forward/backward, gradients reduced in float32 (None: as held)."""
     if compute_dtype is not None:
@@ -177,12 +221,7 @@ def keep_unsharded(model: nn.Module) -> None:
         # The root decides its own setting at its first forward; decide it now, so the one restored is final.
         model._get_fsdp_state()._lazy_init()
     kept: list[_KeptUnit] = []
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state = module._get_fsdp_state()
-        if any(state is other for other, _, _ in kept):  # one unit over several modules (the norm and head)
-            continue
+    for module, state in _units(model):
         groups = [(group, group.post_forward_mesh_info) for group in state._fsdp_param_groups]
         kept.append((state, state._auto_reshard_after_forward, groups))
         module.set_reshard_after_forward(False, recurse=False)

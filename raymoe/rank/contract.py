@@ -163,11 +163,13 @@ class RankMemory:
 class PlannedRank:
     """A rank of a planned layout (``raymoe.plan``): what it will hold (exact), and what FSDP2 gathers of its largest
     decoder layer (``layer_gathered``: the unsharded weights in the dtype they compute in; ``layer_gradients``: their
-    unsharded gradients before the reduce-scatter, in the reduce dtype; both 0 where FSDP2 does not wrap)."""
+    unsharded gradients before the reduce-scatter, in the reduce dtype; both 0 where FSDP2 does not wrap) and of every
+    unit (``gathered``: what keeping every unit's gathered weights holds, :mod:`raymoe.spec.reshard`)."""
 
     memory: RankMemory
     layer_gathered: int = 0
     layer_gradients: int = 0
+    gathered: int = 0
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@
         cluster, no weights; a PlannedRank) -> the spec's meta model, held in the precision policy's dtypes
         and sharded exactly as :func:`raymoe.rank.load.load_shards` shards it (TP -> EP -> packed experts ->
         activation checkpointing -> FSDP2, the same functions) -> the local shard of every placeholder, counted;
-        and what FSDP2 gathers of the largest decoder layer (for the step's estimate)
+        and what FSDP2 gathers of the largest decoder layer and of every unit (for the step's estimate)
     held_memory(ctx)                                   a rank function, on a loaded rank: the same count of its
                                                        real shards, gradients and AdamW states
 
@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from raymoe.parallel.fsdp import gathered_bytes
 from raymoe.parallel.sharding import local_tensor
 from raymoe.rank.context import RankContext
 from raymoe.rank.contract import PlannedRank, RankMemory
@@ -60,7 +61,8 @@ def planned_memory(ctx: RankContext, spec: LaunchSpec, checkpoint_dtype: torch.d
     )
     if not wrapped:
         return PlannedRank(memory)
-    return PlannedRank(memory, *_largest_layer_gather(list(named.values()), policy))
+    gathered = sum(gathered_bytes(part) for part in runner.parts)
+    return PlannedRank(memory, *_largest_layer_gather(list(named.values()), policy), gathered=gathered)
 
 
 def _largest_layer_gather(named: list[tuple[str, nn.Parameter]], policy: PrecisionPolicy) -> tuple[int, int]:

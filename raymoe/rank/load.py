@@ -38,9 +38,10 @@ from raymoe.parallel.styles import ParallelStyle
 from raymoe.rank.adapters import fill_adapters
 from raymoe.rank.context import LoadedModel, RankContext
 from raymoe.rank.contract import LoadReport
+from raymoe.rank.gathered import keep_gathered_weights
 from raymoe.rank.pipeline import PipelineStages
 from raymoe.rank.runner import StageRunner, WholeModel
-from raymoe.spec.compile import compiles_on
+from raymoe.spec.compile import backend_of, compiles_on
 from raymoe.spec.config import DistributedConfig
 from raymoe.spec.launch import DTYPES, LaunchSpec
 from raymoe.spec.lora import LoraSpec
@@ -65,6 +66,8 @@ def load_shards(ctx: RankContext, spec: LaunchSpec) -> LoadReport:
         )
         policy = resolve_policy(spec.precision, spec.torch_dtype, reader.dtype("model.embed_tokens.weight"))
         runner = sharded_on_meta(spec, ctx, policy, model)
+        if uses_fsdp(spec.topology.config, policy):
+            keep_gathered_weights(ctx, list(runner.parts), spec.topology.config.fsdp_reshard_after_forward)
         bytes_read = 0
         for part in runner.parts:
             part.to_empty(device=ctx.device)
@@ -170,7 +173,7 @@ def shard_on_meta(
         pack_experts(model)
     apply_activation_checkpointing(model, config.activation_checkpointing)  # before FSDP2, as its units wrap layers
     if compiles_on(spec.compile, ctx.device):  # the blocks' forwards, under FSDP2's hooks (which stay eager)
-        compile_blocks(model)
+        compile_blocks(model, backend_of(spec.compile))
     if uses_fsdp(config, policy):
         units = FsdpUnits(
             dense_mesh=ctx.data_parallel_mesh(Axis.FSDP),

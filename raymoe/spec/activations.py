@@ -23,6 +23,7 @@ cp_size`` tokens on the rank; a tp group shares its rows, each tp rank holding i
     transient    a materialized score matrix's two gradients (of the softmax and of the scores), which come after
                  the layer's feed-forward finished its backward and freed its activations
     gathered     FSDP2: the unsharded weights of two layers (one computing, one prefetched) in the compute dtype,
+                 or of every layer where every unit keeps them until backward (``fsdp_reshard_after_forward``),
                  and in backward one layer's unsharded gradient before its reduce-scatter (reduce dtype)
 
 A step's growth peaks in backward's first steps (every saved activation with the head, or with a recomputed
@@ -90,13 +91,15 @@ def estimate_activations(
     compute_bytes: int,
     layer_gathered: int = 0,
     layer_gradients: int = 0,
+    kept_gathered: int = 0,
     device: str = "cuda",
 ) -> StepActivations:
     """The estimate of the module doc for one rank of ``layout`` (resolved). ``layer_gathered`` /
     ``layer_gradients``: the bytes FSDP2 gathers of the largest decoder layer's weights and its unsharded gradients
-    (:class:`raymoe.rank.footprint.PlannedRank`; 0 without FSDP2). ``device``: ``cuda`` (SDPA's fused kernels take
-    every head shape) or ``cpu`` (its flash kernel needs one head dim for q, k and v: MLA's attention runs on the
-    math path, which holds ``[S, L]`` scores per head)."""
+    (:class:`raymoe.rank.footprint.PlannedRank`; 0 without FSDP2); ``kept_gathered``: every unit's gathered weights,
+    where every unit keeps them from forward to backward (:mod:`raymoe.spec.reshard`; 0 where they are freed).
+    ``device``: ``cuda`` (SDPA's fused kernels take every head shape) or ``cpu`` (its flash kernel needs one head dim
+    for q, k and v: MLA's attention runs on the math path, which holds ``[S, L]`` scores per head)."""
     tp, cp = layout.tp_size or 1, layout.cp_size or 1
     queries = seq_len / cp
     tokens = rows * queries
@@ -124,7 +127,7 @@ def estimate_activations(
     head = tokens * (
         vocab * compute_bytes + 3 * vocab * FLOAT32_BYTES + 2 * config.hidden_size * compute_bytes + 3 * INDEX_BYTES
     )  # logits, their float32 copy, log-softmax and gradient; the final norm; input ids, labels, targets
-    gathered = 2 * layer_gathered + layer_gradients
+    gathered = (kept_gathered or 2 * layer_gathered) + layer_gradients
     return StepActivations(round(saved), round(head), round(recomputed), round(layer), round(transient), gathered)
 
 

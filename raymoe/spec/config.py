@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError, f
 from raymoe.parallel.context_parallel import ContextParallelMode
 from raymoe.parallel.context_parallel.chunks import check_splittable
 from raymoe.parallel.styles import STYLES, ExpertRole
+from raymoe.spec.reshard import ReshardChoice
 
 PlanDict = dict[StrictStr, StrictStr]
 
@@ -102,6 +103,14 @@ class DistributedConfig(BaseModel):
         default=False,
         description="gradient accumulation without a reduce-scatter per micro-batch: full unsharded gradients are "
         "kept until the last one (one reduction a step, a whole model's gradients of memory more per rank)",
+    )
+    fsdp_reshard_after_forward: ReshardChoice = Field(
+        default="auto",
+        description="whether FSDP2 units free their gathered weights after forward and gather them again in backward: "
+        "'always' (the fsdp_plan's strategies), 'never' (every unit keeps them until its backward: one all-gather a "
+        "step instead of two, the gathered model's memory more), 'auto' ('never' where the gathered weights take at "
+        "most 1/8 of the device memory free at load, else 'always' with the last decoder layer kept); "
+        "raymoe.spec.reshard",
     )
     activation_checkpointing: Literal["none", "full", "selective"] = Field(
         default="none",

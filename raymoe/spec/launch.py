@@ -29,7 +29,7 @@ from raymoe.models.common.lora import adapter_parameters
 from raymoe.models.registry import build_model, parse_model_config
 from raymoe.parallel.context_parallel.all_to_all import check_heads
 from raymoe.parallel.packed_experts import check_packed_layout
-from raymoe.spec.compile import check_compile
+from raymoe.spec.compile import CompileChoice, check_compile
 from raymoe.spec.config import DistributedConfig
 from raymoe.spec.lora import LoraConfig, LoraSpec, add_adapters, resolve_lora
 from raymoe.spec.pipeline import StagePlan, plan_stages
@@ -61,7 +61,7 @@ class LaunchSpec:
     precision: Precision = Precision.AUTO  # checked against dtype; each rank resolves it (raymoe.spec.precision)
     lora: LoraSpec | None = None  # adapters on a frozen base (raymoe.spec.lora)
     quantized_experts: str | None = None  # "mxfp4": the frozen experts stay packed on the ranks (LoRA only)
-    compile: bool | None = None  # compiled decoder blocks: None = on CUDA only (raymoe.spec.compile)
+    compile: CompileChoice = None  # compiled decoder blocks: None = on CUDA only, a str a backend (raymoe.spec.compile)
 
     def build_meta_model(self) -> CausalLM:
         """The model on meta, with its LoRA factors (base frozen) when the spec has adapters."""
@@ -150,7 +150,7 @@ def prepare_launch(
     precision: Precision | str | None = None,
     lora: LoraConfig | str | os.PathLike[str] | Mapping[str, Any] | None = None,
     quantized_experts: str | None = None,
-    compile: bool | None = None,
+    compile: CompileChoice = None,
     weights: bool = True,
 ) -> LaunchSpec:
     """Validate everything that can be validated without a cluster; raise ``ValueError`` on bad input.

@@ -203,3 +203,21 @@ def test_masked_layout_text():
     meta = build_model(parse_model_config(json.loads((QWEN3_30B / "config.json").read_text())), device="meta")
     layout = parse_layout("tp=2,fsdp=2,ep=2,ep_mode=masking", meta)
     assert (layout.tp_size, layout.fsdp_size, layout.ep_size, layout.ep_plan) == (2, 2, 2, MASKED)
+
+
+def test_units_that_keep_their_weights_gather_once_and_hold_every_layer(tiny_checkpoint):
+    """``fsdp_reshard_after_forward``: where every unit keeps its gathered weights (``auto`` on a device far larger
+    than the model), the plan counts one all-gather a step instead of two and every unit's weights at the peak;
+    ``auto`` on a device too small to keep them plans as ``always``."""
+
+    def planned(choice: str, memory: str):
+        layout = DistributedConfig(fsdp_size=4, fsdp_reshard_after_forward=choice)
+        return plan(tiny_checkpoint(MOE), gpus=4, gpu_memory=memory, seq_len=64, layouts=[layout]).layouts[0]
+
+    always, auto, never = planned("always", "80GB"), planned("auto", "80GB"), planned("never", "80GB")
+    assert auto.communication == never.communication
+    assert auto.communication.fsdp_all_gather == pytest.approx(always.communication.fsdp_all_gather / 2, abs=1)
+    assert auto.communication.fsdp_reduce_scatter == always.communication.fsdp_reduce_scatter > 0
+    assert auto.activations.gathered > always.activations.gathered > 0
+    short = planned("auto", "1MB")
+    assert short.communication == always.communication and short.activations == always.activations

@@ -569,3 +569,9 @@ def test_a_run_writes_its_output_dir_to_s3(ray_session, finetune, s3_bucket, cap
     steps = [json.loads(line) for line in fs.cat_file(f"{root}/metrics.jsonl").decode().splitlines()]
     assert [r["step"] for r in steps if "loss" in r] == [1, 2]
     assert not (Path.cwd() / "s3:").exists()
+
+
+def test_the_reshard_flag_reaches_the_layout(finetune):
+    assert "fsdp_reshard_after_forward" not in finetune.layout_of(finetune.parse_args([]))  # auto: the config's default
+    args = finetune.parse_args(["--fsdp-reshard-after-forward", "always"])
+    assert finetune.layout_of(args)["fsdp_reshard_after_forward"] == "always"

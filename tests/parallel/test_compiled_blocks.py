@@ -9,8 +9,8 @@ from raymoe import load_model
 from raymoe.models import causal_lm_loss
 from raymoe.models.common.generation import generate
 from raymoe.parallel.activation_checkpoint import apply_activation_checkpointing
-from raymoe.parallel.compiled_blocks import compile_blocks, compile_seconds, is_compiled
-from raymoe.spec.compile import check_compile, compiles_on
+from raymoe.parallel.compiled_blocks import RECOMPILE_LIMIT, compile_blocks, compile_seconds, is_compiled
+from raymoe.spec.compile import backend_of, check_compile, compiles_on
 
 pytestmark = pytest.mark.slow  # inductor compiles C++ (tens of seconds on 2 cores); make test-fast skips it
 
@@ -38,15 +38,16 @@ def _graphs():
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "selective"])
-def test_compiled_blocks_train_like_eager_with_one_graph_for_every_layer(tiny_checkpoint, checkpointing):
+# inductor's C++ once; the same graphs traced for checkpointing's regions run on eager kernels (aot_eager)
+@pytest.mark.parametrize(("checkpointing", "backend"), [("none", "inductor"), ("selective", "aot_eager")])
+def test_compiled_blocks_train_like_eager_with_one_graph_for_every_layer(tiny_checkpoint, checkpointing, backend):
     directory = tiny_checkpoint(MOE)
     eager, compiled = load_model(directory).train(), load_model(directory).train()
     for model in (eager, compiled):
         apply_activation_checkpointing(model, checkpointing)
     torch._dynamo.reset()
     counters.clear()
-    assert compile_blocks(compiled) == len(compiled.model.layers) == 2 and is_compiled(compiled)
+    assert compile_blocks(compiled, backend) == len(compiled.model.layers) == 2 and is_compiled(compiled)
     before = compile_seconds()
     batches = _batches(eager.config.vocab_size, [(4, 12)] * 3)
     want, got = _train(eager, batches), _train(compiled, batches)
@@ -65,6 +66,23 @@ def test_compiled_blocks_train_like_eager_with_one_graph_for_every_layer(tiny_ch
     assert _graphs() == (2, 0)
 
 
+def test_a_new_model_compiles_whatever_the_graphs_earlier_models_left(tiny_checkpoint):
+    """Dynamo keeps graphs per code object, shared by every model's layers of a class: a model loaded after one that
+    reached the recompile limit still compiles (the limit counts per load), where it would otherwise run eagerly."""
+    directory = tiny_checkpoint(MOE)
+    first = load_model(directory)
+    compile_blocks(first, "aot_eager")
+    with torch.no_grad():
+        for length in range(2, RECOMPILE_LIMIT + 3):  # a new row length each time: past the limit
+            first(torch.zeros(1, length, dtype=torch.long))
+    second = load_model(directory)
+    compile_blocks(second, "aot_eager")
+    before = _graphs()[0]
+    with torch.no_grad():
+        second(torch.zeros(1, 3, dtype=torch.long))
+    assert _graphs()[0] == before + 1
+
+
 def test_a_model_compiles_once(tiny_checkpoint):
     model = load_model(tiny_checkpoint(MOE))
     compile_blocks(model)
@@ -72,9 +90,13 @@ def test_a_model_compiles_once(tiny_checkpoint):
         compile_blocks(model)
 
 
-def test_the_compile_option_is_a_bool_or_none():
-    assert check_compile(None) is None and check_compile(True) is True
-    with pytest.raises(ValueError, match=r"compile='yes'.*True.*False.*None"):
+def test_the_compile_option_is_a_bool_none_or_a_backend():
+    assert check_compile(None) is None and check_compile(True) is True and check_compile("aot_eager") == "aot_eager"
+    with pytest.raises(ValueError, match=r"compile='yes' is not a torch.compile backend: .*aot_eager.*inductor"):
         check_compile("yes")
+    with pytest.raises(ValueError, match=r"compile=1: pass True.*False.*None"):
+        check_compile(1)
     assert compiles_on(None, torch.device("cuda")) and not compiles_on(None, torch.device("cpu"))
     assert compiles_on(True, torch.device("cpu")) and not compiles_on(False, torch.device("cuda"))
+    assert compiles_on("aot_eager", torch.device("cpu"))
+    assert backend_of(True) == backend_of(None) == "inductor" and backend_of("aot_eager") == "aot_eager"

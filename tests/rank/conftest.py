@@ -36,6 +36,13 @@ def counted_step(ctx, vocab: int, seq: int = SEQ) -> tuple[int, int, int, int, d
     return _budget_parts(ctx, syncs)
 
 
+def dynamo_graphs(ctx) -> int:
+    """Graphs dynamo compiled in this rank's process so far (its counters add up over every load)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def counted_decode(ctx, vocab: int, new_tokens: int) -> tuple[int, int, int, int, dict[str, int]]:
     """``generate_tokens`` of ``new_tokens`` steps (sampling; stop rules that stop nothing, so every rank steps them
     all) under the meter (:func:`_budget_parts`)."""
@@ -118,7 +125,11 @@ def check_layout(
         ref_losses, ref_norms, ref_model = reference_training(hf_model, data, LR, WEIGHT_DECAY)
         with load_on_world(directory, config, **load_options) as model:
             model.configure_training(lr=LR, weight_decay=WEIGHT_DECAY, betas=TORCH_BETAS, max_grad_norm=None)
+            graphs_before = model.run_on_ranks(dynamo_graphs)
             metrics = [model.train_step(ids, attention_mask=mask, micro_batches=micro_batches) for ids, mask in data]
+            if load_options.get("compile"):  # the steps ran compiled graphs, each rank's own, not eager code
+                after = model.run_on_ranks(dynamo_graphs)
+                assert all(a > b for a, b in zip(after, graphs_before, strict=True)), (graphs_before, after)
             for step, (got, want, norm) in enumerate(zip(metrics, ref_losses, ref_norms, strict=True)):
                 assert abs(got["loss"] - want) <= 1e-5 * abs(want), (step, got["loss"], want)
                 # the gradient norm spans both meshes, dense and expert (SPEC TRAIN-2)

@@ -1,5 +1,6 @@
 """FSDP2 options and training metrics through the handle: mixed precision, CPU offload, expert load (LB-1)."""
 
+import collections
 import copy
 import json
 import sys
@@ -114,7 +115,12 @@ def fsdp_units(ctx):
 
 
 def test_fsdp_plan_and_expert_units_follow_the_layout(load_on_world, tiny_checkpoint):
-    config = {"fsdp_size": 4, "ep_size": 2, "fsdp_plan": {"model.layers.*": "keep_full_weight"}}
+    config = {
+        "fsdp_size": 4,
+        "ep_size": 2,
+        "fsdp_plan": {"model.layers.*": "keep_full_weight"},
+        "fsdp_reshard_after_forward": "always",  # the plan's strategies, as written
+    }
     with load_on_world(tiny_checkpoint(MOE), config) as model:
         found = model.run_on_ranks(fsdp_units)[0]
     units = {path: unit[:2] for path, unit in found.items()}
@@ -157,3 +163,63 @@ def test_only_single_top_level_kept_modules_share_a_unit(tiny_checkpoint, rules,
 
     config = parse_model_config(json.loads((tiny_checkpoint(MOE) / "config.json").read_text()))
     assert _keep_group(build_model(config), rules) == shared
+
+
+@pytest.mark.parametrize("choice", ["always", "never", "auto"])
+def test_reshard_after_forward_chooses_the_units_that_keep_their_weights(load_on_world, tiny_checkpoint, choice):
+    """``always``: the plan's strategies; ``never``: every unit keeps; ``auto`` on a model this small beside the host's
+    memory: every unit keeps (every rank agreeing), experts' units too."""
+    config = {"fsdp_size": 4, "ep_size": 2, "fsdp_reshard_after_forward": choice}
+    with load_on_world(tiny_checkpoint(MOE), config) as model:
+        found = model.run_on_ranks(fsdp_units)
+    for units in found:
+        frees = {path: unit[0] for path, unit in units.items()}
+        kept = {"<root>", "model.norm", "lm_head"}  # the root's own choice (FSDP2) and the plan's keep_full_weight
+        assert frees == {path: choice == "always" and path not in kept for path in frees}, frees
+        assert {"model.layers.1", "model.layers.1.mlp.experts", "model.embed_tokens"} <= set(frees)
+
+
+def start_counting(ctx):
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    profiler.start()
+    ctx.test_profiler = profiler  # on the rank's context: this function travels by value
+
+
+def all_gathers(ctx):
+    """Unit -> the all-gathers FSDP2 ran for it since :func:`start_counting`."""
+    ctx.test_profiler.stop()
+    names = [event.name for event in ctx.test_profiler.events() if event.name.startswith("FSDP::all_gather (")]
+    return dict(collections.Counter(name.removeprefix("FSDP::all_gather (").removesuffix(")") for name in names))
+
+
+@pytest.mark.parametrize("choice", ["always", "auto"])
+def test_a_unit_that_keeps_its_weights_gathers_once_a_step_and_trains_the_same(
+    load_on_world, tiny_checkpoint, load_hf_model, choice
+):
+    directory = tiny_checkpoint(MOE)
+    ids = batch(96, rows=4)
+    with load_on_world(directory, {"fsdp_size": 2, "fsdp_reshard_after_forward": choice}) as model:
+        model.configure_training(lr=1e-2)
+        first = model.train_step(ids)
+        model.run_on_ranks(start_counting)
+        second = model.train_step(ids)
+        counts = model.run_on_ranks(all_gathers)
+    layers = {"model.embed_tokens", "model.layers.0", "model.layers.1"}
+    for per_unit in counts:
+        assert per_unit["model.norm, lm_head"] == 1
+        assert {unit: per_unit[unit] for unit in layers} == dict.fromkeys(layers, 2 if choice == "always" else 1)
+    # one process's numbers whatever the choice: the loss before and after an update (test_layouts checks more)
+    assert first["loss"] == pytest.approx(reference_step_loss(directory, load_hf_model, ids), rel=1e-5)
+    assert second["loss"] < first["loss"]
+
+
+def test_auto_keeps_only_the_last_layer_where_memory_is_short(load_local, tiny_checkpoint, monkeypatch):
+    """Where the gathered weights exceed 1/8 of the free memory, ``auto`` keeps the plan's units and the last decoder
+    layer (one rank in this process, FSDP2 wrapping for the bf16-mixed policy's casts)."""
+    import raymoe.rank.gathered
+
+    monkeypatch.setattr(raymoe.rank.gathered, "free_memory", lambda ctx: 1)
+    with load_local(tiny_checkpoint(MOE), dtype=torch.bfloat16) as model:
+        frees = {path: unit[0] for path, unit in model.run_on_ranks(fsdp_units)[0].items()}
+    assert frees["model.layers.0"] and frees["model.embed_tokens"]
+    assert not frees["model.layers.1"] and not frees["lm_head"]

@@ -167,7 +167,7 @@ def test_fsdp_gathers_once_per_generation_and_training_after_is_unchanged(load_o
     unit reshards after forward as before, and training steps equal those of a model that never generated."""
     directory = tiny_checkpoint(MOE)
     ids = torch.randint(1, 96, (4, 8), generator=torch.Generator().manual_seed(3))
-    config = {"fsdp_size": 2}
+    config = {"fsdp_size": 2, "fsdp_reshard_after_forward": "always"}  # units that reshard, to be restored
     with load_on_world(directory, config) as model:
         model.configure_training(lr=1e-3)
         fresh = [model.train_step(ids) for _ in range(2)]
