@@ -11,6 +11,7 @@ from raymoe.spec.launch import LaunchSpec
 from raymoe.spec.lora import LoraConfig
 from raymoe.spec.plans import ResolvedPlans
 from raymoe.spec.precision import PrecisionPolicy
+from raymoe.spec.reshard import describe_reshard
 from raymoe.spec.topology import Topology
 
 
@@ -67,6 +68,9 @@ class LoadedView:
         hold, measured)."""
         num_experts = self.model_config.moe.num_experts if self.model_config.moe is not None else None
         text = f"{self.topology.describe(num_experts=num_experts)}\n{self.precision.describe()}"
+        keeps = self.load_reports[0].keeps_gathered
+        if keeps is not None:
+            text += "\n" + describe_reshard(self.topology.config.fsdp_reshard_after_forward, keeps)
         if self._spec.lora is None:
             return text
         largest = max(self.load_reports, key=lambda report: report.bytes_held)

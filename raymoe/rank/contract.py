@@ -133,6 +133,8 @@ class LoadReport:
     trainable_params: int = 0  # local elements of parameters that take gradients (all, or the LoRA factors)
     trainable_bytes: int = 0
     frozen_params: int = 0  # local elements of the others (a LoRA model's base)
+    # whether every FSDP2 unit keeps its gathered weights until backward (raymoe.spec.reshard); None: no FSDP2
+    keeps_gathered: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -66,8 +66,11 @@ def load_shards(ctx: RankContext, spec: LaunchSpec) -> LoadReport:
         )
         policy = resolve_policy(spec.precision, spec.torch_dtype, reader.dtype("model.embed_tokens.weight"))
         runner = sharded_on_meta(spec, ctx, policy, model)
+        keeps_gathered = None
         if uses_fsdp(spec.topology.config, policy):
-            keep_gathered_weights(ctx, list(runner.parts), spec.topology.config.fsdp_reshard_after_forward)
+            keeps_gathered = keep_gathered_weights(
+                ctx, list(runner.parts), spec.topology.config.fsdp_reshard_after_forward
+            )
         bytes_read = 0
         for part in runner.parts:
             part.to_empty(device=ctx.device)
@@ -86,6 +89,7 @@ def load_shards(ctx: RankContext, spec: LaunchSpec) -> LoadReport:
         trainable_params=sum(t.numel() for t in trainable),
         trainable_bytes=sum(t.numel() * t.element_size() for t in trainable),
         frozen_params=sum(t.numel() for t in frozen),
+        keeps_gathered=keeps_gathered,
     )
 
 

@@ -41,3 +41,14 @@ def keeps_every_unit(choice: ReshardChoice, gathered_bytes: int, free_bytes: int
 def keeps_last_layer(choice: ReshardChoice) -> bool:
     """Whether the last decoder layer keeps its gathered weights where not every unit does (``auto``)."""
     return choice == "auto"
+
+
+def describe_reshard(choice: ReshardChoice, every_unit: bool) -> str:
+    """One line for ``describe()``: what the ranks decided under ``choice``."""
+    if every_unit:
+        return f"FSDP2 (fsdp_reshard_after_forward={choice}): every unit keeps its gathered weights until backward"
+    kept = ", and the last decoder layer" if keeps_last_layer(choice) else ""
+    return (
+        f"FSDP2 (fsdp_reshard_after_forward={choice}): units free their gathered weights after forward as the "
+        f"fsdp plan says{kept}"
+    )

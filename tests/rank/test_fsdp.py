@@ -172,6 +172,10 @@ def test_reshard_after_forward_chooses_the_units_that_keep_their_weights(load_on
     config = {"fsdp_size": 4, "ep_size": 2, "fsdp_reshard_after_forward": choice}
     with load_on_world(tiny_checkpoint(MOE), config) as model:
         found = model.run_on_ranks(fsdp_units)
+        assert {report.keeps_gathered for report in model.load_reports} == {choice != "always"}
+        picture = model.picture()
+    assert f"fsdp_reshard_after_forward={choice}): " in picture
+    assert ("every unit keeps its gathered weights" in picture) == (choice != "always")
     for units in found:
         frees = {path: unit[0] for path, unit in units.items()}
         kept = {"<root>", "model.norm", "lm_head"}  # the root's own choice (FSDP2) and the plan's keep_full_weight
@@ -221,5 +225,7 @@ def test_auto_keeps_only_the_last_layer_where_memory_is_short(load_local, tiny_c
     monkeypatch.setattr(raymoe.rank.gathered, "free_memory", lambda ctx: 1)
     with load_local(tiny_checkpoint(MOE), dtype=torch.bfloat16) as model:
         frees = {path: unit[0] for path, unit in model.run_on_ranks(fsdp_units)[0].items()}
+        assert model.load_reports[0].keeps_gathered is False
+        assert "as the fsdp plan says, and the last decoder layer" in model.picture()
     assert frees["model.layers.0"] and frees["model.embed_tokens"]
     assert not frees["model.layers.1"] and not frees["lm_head"]
