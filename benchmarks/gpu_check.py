@@ -17,7 +17,8 @@ intermediate 768):
             this process for transformers, read on the rank for raymoe). The systems alternate for
             --rounds rounds, each keeping its best round. Then (c) raymoe with compile=True (compiled decoder
             blocks, issue 33) replaces (b) on the GPU and alternates with transformers the same way; its
-            compile seconds are the warm-up's.
+            compile seconds are the warm-up's. --profile-steps N: after each pair's rounds, N more steps of
+            each system under torch's profiler (CUDA kernel time, top operators; raymoe's on its rank).
 
     readiness   one rank in this process on tiny bf16 checkpoints: the default precision policy, 4 micro-batches
             against 1 (peak memory), fsdp_cpu_offload with bias balancing, async save_state / load_state
@@ -141,6 +142,7 @@ class Settings:
     telemetry: bool
     compile: bool = True  # also the compiled rows (issue 33)
     pure: bool = True  # also a raymoe row in bf16-pure, transformers' own precision
+    profile_steps: int = 0  # after the timed rounds, this many steps of each system under torch's profiler
 
 
 # --- timing ---------------------------------------------------------------------------------------
@@ -398,6 +400,16 @@ class TransformersRun:
         synchronize(self.device)
         return loss.detach()
 
+    def profile(self, steps: Callable[[], object]) -> dict[str, Any]:
+        cuda = self.device.type == "cuda"
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as profiler:
+            steps()
+            synchronize(self.device)
+        return profile_summary(profiler, cuda)
+
     def report(self) -> dict[str, Any]:
         if self.device.type != "cuda":
             return {"peak_memory_bytes": None}
@@ -420,6 +432,50 @@ def rank_report(ctx: Any) -> dict[str, Any]:
         "device_name": torch.cuda.get_device_name(ctx.device) if cuda else "cpu",
         "peak_memory_bytes": torch.cuda.max_memory_allocated(ctx.device) if cuda else None,
     }
+
+
+def rank_profile_start(ctx: Any) -> None:
+    """Rank function: start torch's profiler (CPU, and CUDA on a GPU) on this rank."""
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if ctx.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    ctx.gpu_check_profiler = torch.profiler.profile(activities=activities)
+    ctx.gpu_check_profiler.start()
+
+
+def rank_profile_stop(ctx: Any) -> dict[str, Any]:
+    """Rank function: stop the profiler :func:`rank_profile_start` started; its summary (:func:`profile_summary`)."""
+    import torch
+
+    profiler = ctx.gpu_check_profiler
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    profiler.stop()
+    del ctx.gpu_check_profiler
+    return profile_summary(profiler, ctx.device.type == "cuda")
+
+
+def profile_summary(profiler: Any, cuda: bool, rows: int = 20) -> dict[str, Any]:
+    """Kernel seconds (self device time of every operator: what the GPU was busy with; CPU: self CPU time) and the
+    top ``rows`` operators by it, as torch's table."""
+    averages = profiler.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    # on a GPU only the kernels' own rows: an operator's row and a profiler annotation repeat its kernels' time
+    counted = [event for event in averages if not cuda or event.device_type != torch.autograd.DeviceType.CPU]
+    busy_us = sum(getattr(event, key) for event in counted)
+    return {"busy_s": busy_us / 1e6, "sorted_by": key, "table": averages.table(sort_by=key, row_limit=rows)}
+
+
+def profile_steps(run: TransformersRun | RaymoeRun, batches: list[Tensor], steps: int) -> dict[str, Any]:
+    """``steps`` more steps of ``run`` under torch's profiler (after its warm rounds): wall seconds (queued work
+    drained) against the seconds the device computed; their gap is launch overhead, host work and syncs."""
+    began = time.perf_counter()
+    summary = run.profile(lambda: [run.step(ids) for ids in batches[:steps]])
+    synchronize(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    wall = time.perf_counter() - began
+    return {"steps": steps, "wall_s": wall, **summary, "busy_over_wall": summary["busy_s"] / wall}
 
 
 @dataclass(frozen=True)
@@ -486,6 +542,19 @@ class RaymoeRun:
         self.compile_s += metrics.get("compile_s", 0.0)
         return float(metrics["loss"])
 
+    def profile(self, steps: Callable[[], object]) -> dict[str, Any]:
+        import ray.cloudpickle
+
+        for fn in (rank_profile_start, rank_profile_stop):
+            if fn.__module__ != "__main__":
+                ray.cloudpickle.register_pickle_by_value(sys.modules[fn.__module__])
+        self.model.run_on_ranks(rank_profile_start)
+        try:
+            steps()
+        finally:
+            ranks = self.model.run_on_ranks(rank_profile_stop)
+        return ranks[0]
+
     def report(self) -> dict[str, Any]:
         import ray.cloudpickle
 
@@ -551,6 +620,15 @@ def run_train(shape: Shape, settings: Settings) -> dict[str, Any]:
                             f"first loss {round_losses[0]:.4f}"
                         )
                 reports.update({run.name: run.report() for run in runs})
+                if settings.profile_steps:
+                    for run in runs:
+                        profiled = profile_steps(run, batches, settings.profile_steps)
+                        reports[run.name]["profile"] = profiled
+                        print(
+                            f"  profile {run.name}: {profiled['steps']} steps in {profiled['wall_s']:.2f} s, "
+                            f"device busy {profiled['busy_s']:.2f} s ({profiled['busy_over_wall']:.0%})\n"
+                            f"{profiled['table']}"
+                        )
         finally:
             for run in reversed(runs):
                 run.close()
@@ -669,6 +747,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=True,
         help="also raymoe in bf16-pure (bf16 weights and AdamW states, as transformers trains here; default: on)",
     )
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="train: profile this many more steps of each system (kernel time against wall time, top operators)",
+    )
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, instead of the name table")
     parser.add_argument("--out", type=Path, default=default_out(), help="JSON file of every figure")
     args = parser.parse_args(argv)
@@ -704,6 +788,7 @@ def settings_and_shape(args: argparse.Namespace) -> tuple[Settings, Shape]:
         telemetry=args.telemetry,
         compile=args.compile,
         pure=args.pure,
+        profile_steps=args.profile_steps,
     )
     return settings, shape
 

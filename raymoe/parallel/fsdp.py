@@ -116,7 +116,7 @@ def gathered_bytes(model: nn.Module) -> int:
     total = 0
     for _, state in _units(model):
         casts_to = state._mp_policy.param_dtype
-        for group in state._fsdp_param_groups:
+        for group in _param_groups(state):
             for param in group.fsdp_params:
                 held = param.sharded_param.dtype
                 dtype = casts_to if casts_to is not None and held.is_floating_point else held
@@ -150,6 +150,16 @@ def _units(model: nn.Module) -> list[tuple[FSDPModule, FSDPState]]:
             if not any(state is other for _, other in units):
                 units.append((module, state))
     return units
+
+
+def _param_groups(state: FSDPState) -> list[FSDPParamGroup]:
+    """One FSDP2 unit's parameter groups: a list since torch 2.13 (``_fsdp_param_groups``), before it one optional
+    group (``_fsdp_param_group``; the GPU image of the device machine has torch 2.11)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
 
 
 def mixed_precision(compute_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
@@ -222,7 +232,7 @@ def keep_unsharded(model: nn.Module) -> None:
         model._get_fsdp_state()._lazy_init()
     kept: list[_KeptUnit] = []
     for module, state in _units(model):
-        groups = [(group, group.post_forward_mesh_info) for group in state._fsdp_param_groups]
+        groups = [(group, group.post_forward_mesh_info) for group in _param_groups(state)]
         kept.append((state, state._auto_reshard_after_forward, groups))
         module.set_reshard_after_forward(False, recurse=False)
         module.unshard()

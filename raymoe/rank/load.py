@@ -72,8 +72,9 @@ def load_shards(ctx: RankContext, spec: LaunchSpec) -> LoadReport:
                 ctx, list(runner.parts), spec.topology.config.fsdp_reshard_after_forward
             )
         bytes_read = 0
+        home = parameter_home(spec.topology.config, ctx.device)
         for part in runner.parts:
-            part.to_empty(device=ctx.device)
+            part.to_empty(device=home)
             part.tie_weights()  # to_empty gives every parameter new storage, a tied head its own copy
             bytes_read += _read_shards(part, reader)
             if spec.lora is not None:
@@ -91,6 +92,13 @@ def load_shards(ctx: RankContext, spec: LaunchSpec) -> LoadReport:
         frozen_params=sum(t.numel() for t in frozen),
         keeps_gathered=keeps_gathered,
     )
+
+
+def parameter_home(config: DistributedConfig, device: torch.device) -> torch.device:
+    """Where a rank computing on ``device`` holds its parameter shards: the host under ``fsdp_cpu_offload`` (FSDP2
+    copies each unit's shards to the device for its forward and backward, and refuses shards materialised anywhere
+    but the CPU), else ``device``. The models hold no buffers: every tensor they own is a parameter."""
+    return torch.device("cpu") if config.fsdp_cpu_offload else device
 
 
 def sharded_on_meta(spec: LaunchSpec, ctx: RankContext, policy: PrecisionPolicy, model: CausalLM) -> StageRunner:

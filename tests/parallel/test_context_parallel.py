@@ -127,3 +127,15 @@ def _gather_and_cut(rank) -> None:
 
 def test_gather_puts_every_share_back_in_row_order(world4):
     world4.run(_gather_and_cut)
+
+
+def test_the_cuda_kernels_output_is_handed_back_laid_out_as_the_kernel_wrote_it():
+    """The memory-efficient CUDA backward reads the block's output at a row stride of heads x width whatever its
+    strides say (an H200 gave wrong bf16 dq/dk and, at 8k rows, an illegal access for ``[B, H, c, D]`` memory):
+    ``_rows_outer`` keeps the values and lays them out ``[B, c, H, D]``."""
+    from raymoe.parallel.context_parallel.ring import _rows_outer
+
+    out = torch.randn(2, 8, 96, 64)  # [B, H, c, D], contiguous as the ring's merge leaves it
+    laid = _rows_outer(out)
+    assert torch.equal(laid, out)
+    assert laid.stride() == (96 * 8 * 64, 64, 8 * 64, 1)

@@ -65,6 +65,31 @@ def test_mixed_precision_computes_in_bf16_and_keeps_fp32_weights(load_on_world, 
     assert abs(loss - expected) <= 2e-2 * expected and loss != expected
 
 
+def test_cpu_offload_materialises_shards_on_the_host_whatever_device_computes():
+    """FSDP2 with CPU offload refuses shards materialised on the GPU (found on an H200: every offloaded load failed at
+    its first step); without offload the shards live where the rank computes."""
+    from raymoe.rank.load import parameter_home
+    from raymoe.spec.config import DistributedConfig
+
+    cuda = torch.device("cuda", 0)
+    assert parameter_home(DistributedConfig(fsdp_cpu_offload=True), cuda) == torch.device("cpu")
+    assert parameter_home(DistributedConfig(), cuda) == cuda
+    assert parameter_home(DistributedConfig(), torch.device("cpu")) == torch.device("cpu")
+
+
+def test_fsdp_units_read_their_groups_on_torch_2_11_and_2_13():
+    """torch 2.13 keeps a list of parameter groups per unit; 2.11 (the GPU image of our device machine) one optional
+    group: raymoe's gathered-bytes count and keep_unsharded read either."""
+    from types import SimpleNamespace
+
+    from raymoe.parallel.fsdp import _param_groups
+
+    group = object()
+    assert _param_groups(SimpleNamespace(_fsdp_param_groups=[group])) == [group]
+    assert _param_groups(SimpleNamespace(_fsdp_param_group=group)) == [group]
+    assert _param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
+
+
 def test_cpu_offload_keeps_weights_and_optimizer_state_on_cpu(load_on_world, tiny_checkpoint, load_hf_model):
     directory = tiny_checkpoint(MOE)
     ids = batch(96)

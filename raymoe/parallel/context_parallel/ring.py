@@ -270,12 +270,12 @@ def _kernel_backward(
         groups = qp.shape[1] // kp.shape[1]
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dvv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            gp.contiguous(),
+            _rows_outer(gp),
             qp,
             _repeat(kp, qp),
             _repeat(vp, qp),
             _bias(mask, qp),
-            op.contiguous(),
+            _rows_outer(op),
             _efficient_lse(lse),
             seed,
             seed,
@@ -305,6 +305,14 @@ def _repeat(kv: Tensor, q: Tensor) -> Tensor:
     """The memory-efficient CUDA kernel takes no grouped heads: each kv head repeated for its query heads."""
     groups = q.shape[1] // kv.shape[1]
     return kv.repeat_interleave(groups, dim=1) if groups > 1 else kv
+
+
+def _rows_outer(x: Tensor) -> Tensor:
+    """``x [B, H, c, D]`` laid out in memory as ``[B, c, H, D]``, as the memory-efficient CUDA kernel's forward writes
+    its output. Its half-precision backward reads the output itself (for the softmax's row sums) at a row stride of
+    ``H * D``, whatever the tensor's strides say: an output laid out ``[B, H, c, D]`` gave wrong dq/dk in bf16 and
+    an illegal memory access at 8k rows on an H200 (torch 2.11). float32 computes those sums outside the kernel."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _efficient_lse(lse: Tensor) -> Tensor:
