@@ -402,10 +402,7 @@ class TransformersRun:
 
     def profile(self, steps: Callable[[], object]) -> dict[str, Any]:
         cuda = self.device.type == "cuda"
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if cuda:
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities) as profiler:
+        with torch.profiler.profile(activities=profiler_activities(cuda)) as profiler:
             steps()
             synchronize(self.device)
         return profile_summary(profiler, cuda)
@@ -438,10 +435,7 @@ def rank_profile_start(ctx: Any) -> None:
     """Rank function: start torch's profiler (CPU, and CUDA on a GPU) on this rank."""
     import torch
 
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if ctx.device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    ctx.gpu_check_profiler = torch.profiler.profile(activities=activities)
+    ctx.gpu_check_profiler = torch.profiler.profile(activities=profiler_activities(ctx.device.type == "cuda"))
     ctx.gpu_check_profiler.start()
 
 
@@ -455,6 +449,12 @@ def rank_profile_stop(ctx: Any) -> dict[str, Any]:
     profiler.stop()
     del ctx.gpu_check_profiler
     return profile_summary(profiler, ctx.device.type == "cuda")
+
+
+def profiler_activities(cuda: bool) -> list[torch.profiler.ProfilerActivity]:
+    """What torch's profiler records: host operators, and the kernels on a GPU."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    return [*activities, torch.profiler.ProfilerActivity.CUDA] if cuda else activities
 
 
 def profile_summary(profiler: Any, cuda: bool, rows: int = 20) -> dict[str, Any]:

@@ -122,6 +122,7 @@ def test_group_limited_choice_stays_in_the_best_groups():
 def test_the_correction_bias_moves_the_choice_not_the_weights():
     torch.manual_seed(0)
     router = TopKRouter(16, 8, 2, False, selection_bias=True, scoring="sigmoid", scaling=2.5)
+    torch.nn.init.normal_(router.weight, std=0.5)  # built with torch.empty: whatever memory held, NaN included
     hidden = torch.randn(32, 16)
     with torch.no_grad():
         router.e_score_correction_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 5.0]))
