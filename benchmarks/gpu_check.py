@@ -431,6 +431,14 @@ def rank_report(ctx: Any) -> dict[str, Any]:
     }
 
 
+def ship_rank_functions() -> None:
+    """This module's rank functions travel by value: imported (not run as a script), the ranks cannot import it."""
+    import ray.cloudpickle
+
+    if __name__ != "__main__":
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
 def rank_profile_start(ctx: Any) -> None:
     """Rank function: start torch's profiler (CPU, and CUDA on a GPU) on this rank."""
     import torch
@@ -470,10 +478,10 @@ def profile_summary(profiler: Any, cuda: bool, rows: int = 20) -> dict[str, Any]
 
 def profile_steps(run: TransformersRun | RaymoeRun, batches: list[Tensor], steps: int) -> dict[str, Any]:
     """``steps`` more steps of ``run`` under torch's profiler (after its warm rounds): wall seconds (queued work
-    drained) against the seconds the device computed; their gap is launch overhead, host work and syncs."""
+    drained: each ``profile`` synchronizes its device) against the seconds the device computed; their gap is launch
+    overhead, host work, syncs and the profiler's own cost."""
     began = time.perf_counter()
     summary = run.profile(lambda: [run.step(ids) for ids in batches[:steps]])
-    synchronize(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     wall = time.perf_counter() - began
     return {"steps": steps, "wall_s": wall, **summary, "busy_over_wall": summary["busy_s"] / wall}
 
@@ -543,11 +551,7 @@ class RaymoeRun:
         return float(metrics["loss"])
 
     def profile(self, steps: Callable[[], object]) -> dict[str, Any]:
-        import ray.cloudpickle
-
-        for fn in (rank_profile_start, rank_profile_stop):
-            if fn.__module__ != "__main__":
-                ray.cloudpickle.register_pickle_by_value(sys.modules[fn.__module__])
+        ship_rank_functions()
         self.model.run_on_ranks(rank_profile_start)
         try:
             steps()
@@ -556,10 +560,7 @@ class RaymoeRun:
         return ranks[0]
 
     def report(self) -> dict[str, Any]:
-        import ray.cloudpickle
-
-        if rank_report.__module__ != "__main__":  # imported (not run as a script): the ranks cannot import it
-            ray.cloudpickle.register_pickle_by_value(sys.modules[rank_report.__module__])
+        ship_rank_functions()
         ranks = self.model.run_on_ranks(rank_report)
         report = {
             "peak_memory_bytes": ranks[0]["peak_memory_bytes"],
