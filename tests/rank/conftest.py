@@ -19,10 +19,12 @@ MICRO = 2  # micro-batches of the counted step
 
 
 def counted_step(ctx, vocab: int, seq: int = SEQ) -> tuple[int, int, int, int, dict[str, int]]:
-    """A training step of ``MICRO`` micro-batches (the same rows on every rank), the second of two, under the meter
-    (:func:`_budget_parts`)."""
+    """A training step of ``MICRO`` micro-batches (the same rows on every rank) under the meter
+    (:func:`_budget_parts`); the second of two where a first step of a new shape sets something up (a pipeline's
+    schedule, compiled blocks' graphs), else the layout test's steps before it were the warm-up."""
     import torch
 
+    from raymoe.parallel.compiled_blocks import is_compiled
     from raymoe.rank.contract import MicroBatch
     from raymoe.rank.host_syncs import HostSyncs
     from raymoe.rank.train import train_step
@@ -30,7 +32,9 @@ def counted_step(ctx, vocab: int, seq: int = SEQ) -> tuple[int, int, int, int, d
     ids = torch.randint(0, vocab, (ROWS, seq), generator=torch.Generator().manual_seed(0))
     micro = MicroBatch(ids, ids.clone(), torch.ones_like(ids, dtype=torch.bool))
     tokens = MICRO * ids.numel() * ctx.topology.world_size
-    train_step(ctx, [micro] * MICRO, global_tokens=tokens)  # a pipeline's first step of a shape sets it up
+    model = ctx.require_model()
+    if ctx.topology.config.pp_size > 1 or any(is_compiled(part) for part in model.parts):
+        train_step(ctx, [micro] * MICRO, global_tokens=tokens)
     with HostSyncs() as syncs:
         train_step(ctx, [micro] * MICRO, global_tokens=tokens)
     return _budget_parts(ctx, syncs)
