@@ -461,8 +461,8 @@ def rank_profile_stop(ctx: Any) -> dict[str, Any]:
 
 def profiler_activities(cuda: bool) -> list[torch.profiler.ProfilerActivity]:
     """What torch's profiler records: host operators, and the kernels on a GPU."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    return [*activities, torch.profiler.ProfilerActivity.CUDA] if cuda else activities
+    cpu, kernels = torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA
+    return [cpu, kernels] if cuda else [cpu]
 
 
 def profile_summary(profiler: Any, cuda: bool, rows: int = 20) -> dict[str, Any]:
