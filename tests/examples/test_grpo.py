@@ -22,15 +22,17 @@ def grpo_script():
 
 @pytest.mark.slow
 def test_the_reward_rises(ray_session, grpo_script, tmp_path):
-    args = grpo_script.parse_args(["--steps", "40", "--lr", "3e-3", "--output-dir", str(tmp_path), "--no-progress"])
+    """20 steps at a high learning rate (the example's default is 150 at 2e-3): the reward of the first 5 steps is
+    ~0.005, of the last 5 ~0.24 (seed 0); each step is ~0.5 s here after the world's ~8 s start."""
+    args = grpo_script.parse_args(["--steps", "20", "--lr", "8e-3", "--output-dir", str(tmp_path), "--no-progress"])
     records = grpo_script.run(args)
-    first = sum(r["reward_mean"] for r in records[:10]) / 10
-    last = sum(r["reward_mean"] for r in records[-10:]) / 10
-    assert first < 0.05 and last > first + 0.05, (first, last)
+    first = sum(r["reward_mean"] for r in records[:5]) / 5
+    last = sum(r["reward_mean"] for r in records[-5:]) / 5
+    assert first < 0.05 and last > first + 0.1, (first, last)
     written = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in written] == list(range(1, 41))
+    assert [r["step"] for r in written] == list(range(1, 21))
     assert all(0.0 <= r["clip_fraction"] <= 1.0 and r["grad_norm"] >= 0 for r in written)
-    assert sum(r["grad_norm"] > 0 for r in written) > 30  # a step is 0 only when every group scored evenly
+    assert sum(r["grad_norm"] > 0 for r in written) > 15  # a step is 0 only when every group scored evenly
     assert (tmp_path / "metrics.png").stat().st_size > 0 and (tmp_path / "checkpoint" / "config.json").is_file()
 
 
