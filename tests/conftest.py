@@ -51,6 +51,11 @@ os.environ.update(
     AWS_DEFAULT_REGION="us-east-1",
 )
 
+# Ray Data reads a Parquet file's footers in a pool of 32 actors per read, however small the input: 32 processes
+# started for one file (18 of the 20 s of test_ray_data's Parquet test). Two do it here; set before Ray starts, as
+# the pool is made in a Ray task.
+os.environ.setdefault("RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", "2")
+
 RAY_TEST_CPUS = 16  # logical CPUs: the shared worlds below plus 8-rank groups of their own, on 2 cores
 WORLD_CPUS_PER_RANK = 0.25  # the shared worlds' 15 ranks hold 3.75 logical CPUs, leaving 12 for other groups
 
