@@ -112,6 +112,26 @@ def test_importing_raymoe_imports_neither_ray_nor_transformers():
             assert not any(name.split(".")[0] == "transformers" for name in names), path
 
 
+def test_the_public_names_are_the_lazy_ones_and_a_rank_imports_no_driver_module():
+    """``raymoe.X`` is imported on first use (raymoe/__init__.py's ``_HOME``): every name of ``__all__`` resolves to
+    the object its home module defines, and a rank process (``import actors.rank``) loads no ``raymoe.driver``
+    module."""
+    import importlib
+    import subprocess
+    import sys
+
+    import raymoe
+
+    assert sorted(raymoe.__all__) == sorted(raymoe._HOME)
+    for name in raymoe.__all__:
+        assert getattr(raymoe, name) is getattr(importlib.import_module(raymoe._HOME[name]), name), name
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        raymoe.nope  # noqa: B018
+    probe = "import sys, actors.rank; print(sorted(m for m in sys.modules if m.startswith('raymoe.driver')))"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout
+
+
 DRIVER = sorted((ROOT / "raymoe" / "driver").glob("*.py"))
 
 
