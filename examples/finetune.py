@@ -44,6 +44,7 @@ from actors import PlacementError, RankError
 from raymoe.checkpoint import resolve_config_file
 from raymoe.driver.batch import check_input_ids
 from raymoe.driver.candidate_layouts import masked_ep_plan
+from raymoe.driver.group import RankGroup
 from raymoe.driver.local_paths import path_flag, storage_flag
 from raymoe.driver.tokenizer import load_chat_template
 from raymoe.models import ModelConfig, build_model, load_model_config
@@ -524,7 +525,10 @@ def trainer_config(args: argparse.Namespace) -> raymoe.TrainerConfig:
     )
 
 
-def run(args: argparse.Namespace) -> tuple[raymoe.TrainSummary, Lora | None]:
+def run(args: argparse.Namespace, world: RankGroup | None = None) -> tuple[raymoe.TrainSummary, Lora | None]:
+    """The run ``args`` describe. ``world``: ranks already started (``raymoe.start_world``: a notebook's, a test
+    session's) to load onto instead of starting this run's own; its size is the layout's, --cpus-per-rank is then
+    its own, and it stays up after the run (the model is unloaded)."""
     # Everything checkable without a cluster comes first: the config, the output directory (an earlier run there
     # is resumed, overwritten or refused), the LoRA flags, the data, the sequence length.
     check_lora_flags(args)
@@ -562,7 +566,7 @@ def run(args: argparse.Namespace) -> tuple[raymoe.TrainSummary, Lora | None]:
         distributed_config=layout,
         dtype=args.dtype,
         precision=args.precision,
-        cpus_per_rank=args.cpus_per_rank,
+        **({"cpus_per_rank": args.cpus_per_rank} if world is None else {"world": world}),
         lora=lora.request if lora is not None else None,
         quantized_experts=args.quantized_experts,
         compile=args.compile,
@@ -626,10 +630,11 @@ def print_summary(summary: raymoe.TrainSummary, lora: Lora | None = None) -> Non
     print("\n".join(f"{key:>11}  {value}" for key, value in lines))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, world: RankGroup | None = None) -> int:
+    """The command line; ``world`` as in :func:`run`."""
     args = parse_args(argv)
     try:
-        summary, lora = run(args)
+        summary, lora = run(args, world)
     except (ValueError, PlacementError) as exc:
         # Bad input, or sizes the cluster cannot host: raised on the driver before any training step.
         print(f"finetune.py: error: {exc}", file=sys.stderr)

@@ -1,5 +1,9 @@
 """examples/finetune.py in this process on the session's local Ray: the embedded default learns, and bad input
-ends the run with one error line before any training step."""
+ends the run with one error line before any training step.
+
+The runs about data, flags and models load onto the session's shared worlds (``main(argv, world)``: a world start
+is ~6 s of 4 rank processes importing torch on 2 cores); the embedded default's run and Ctrl-C's start and free
+ranks of their own, as the command line does."""
 
 from __future__ import annotations
 
@@ -61,7 +65,7 @@ def test_embedded_default_loss_falls_and_artefacts_exist(ray_session, finetune, 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["gptoss_e4_k3_gqa2_window5"])
 def test_a_tiny_hub_family_checkpoint_fine_tunes(
-    ray_session, finetune, tiny_checkpoint, load_hf_model, tmp_path, family
+    ray_session, world, finetune, tiny_checkpoint, load_hf_model, tmp_path, family
 ):
     """``--model <dir>`` of a tiny gpt-oss written by transformers, on pre-tokenized data: loss falls,
     and the checkpoint it writes loads in transformers."""
@@ -73,7 +77,7 @@ def test_a_tiny_hub_family_checkpoint_fine_tunes(
     out = tmp_path / "run"
     argv = ["--model", str(tiny_checkpoint(family)), "--dataset", str(tmp_path / "tokens.npy"), "--seq-len", "16"]
     argv += ["--steps", "12", "--eval-every", "6", "--lr", "1e-2", "--output-dir", str(out), "--no-progress"]
-    assert finetune.main(argv) == 0
+    assert finetune.main(argv, world(4)) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     assert len(evals) == 3 and evals[-1] < evals[0] - 1.0, evals
@@ -84,13 +88,13 @@ def test_a_tiny_hub_family_checkpoint_fine_tunes(
 
 
 @pytest.mark.slow
-def test_long_sequence_flags_split_every_row_and_train(ray_session, finetune, tmp_path, capsys):
+def test_long_sequence_flags_split_every_row_and_train(ray_session, world, finetune, tmp_path, capsys):
     """``--cp-size 2 --cp-mode all_to_all --sequence-parallel`` on the embedded default (tp2, ep2): every row split
     over two cp ranks, the residual stream over the tp pair; the eval loss falls."""
     out = tmp_path / "run"
     layout = ["--cp-size", "2", "--cp-mode", "all_to_all", "--sequence-parallel", "--fsdp-size", "1"]
     argv = [*layout, "--steps", "8", "--eval-every", "4", "--output-dir", str(out), "--no-progress"]
-    assert finetune.main(argv) == 0
+    assert finetune.main(argv, world(4)) == 0
     printed = capsys.readouterr().out
     assert "'cp_size': 2, 'cp_mode': 'all_to_all', 'enable_sequence_parallel': True" in printed
     assert "chunks      c0c3" in printed  # model.describe() draws the cp axis
@@ -189,7 +193,7 @@ def test_bad_input_is_one_error_before_any_step(ray_session, finetune, tmp_path,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["driver", "ray"])
-def test_chat_data_trains_on_the_assistant_answers_only(ray_session, finetune, tmp_path, capsys, engine):
+def test_chat_data_trains_on_the_assistant_answers_only(ray_session, world, finetune, tmp_path, capsys, engine):
     """--dataset chat.jsonl on the embedded model: the label tokens of a step over every row are exactly the
     assistant answers' bytes and one <|im_end|> each, counted by hand over the file (byte-level tokenizer); also
     with --data-engine ray, whose rows stay in Ray's object store."""
@@ -206,7 +210,7 @@ def test_chat_data_trains_on_the_assistant_answers_only(ray_session, finetune, t
     out = tmp_path / "run"
     argv = ["--dataset", str(chat), "--eval-fraction", "0", "--global-batch-size", str(rows), "--steps", "2"]
     argv += ["--data-engine", engine, *(["--no-cache"] if engine == "ray" else [])]
-    assert finetune.main([*argv, "--output-dir", str(out), "--no-progress"]) == 0
+    assert finetune.main([*argv, "--output-dir", str(out), "--no-progress"], world(4)) == 0
     printed = capsys.readouterr().out
     assert f"data: 24 conversations -> {rows} rows of 128 tokens; document packing" in printed
     assert f"{hand_count} label tokens" in printed
@@ -224,7 +228,7 @@ def test_a_rank_failure_is_one_line_unless_debugging(finetune, monkeypatch, caps
     message = "rank 1 (dp_replicate=0, pp=0, fsdp=1, cp=0, tp=0) failed in train_step: RuntimeError: boom"
     remote = 'Traceback (most recent call last):\n  File "train.py", line 1\nRuntimeError: boom'
 
-    def fail(args):
+    def fail(args, world=None):
         raise RankError(f"{message}\n--- traceback on rank 1 ---\n{remote}", 1, "train_step", remote)
 
     monkeypatch.setattr(finetune, "run", fail)
@@ -239,14 +243,14 @@ def test_a_rank_failure_is_one_line_unless_debugging(finetune, monkeypatch, caps
 
 
 @pytest.mark.slow
-def test_a_run_resumes_from_its_latest_state_under_another_layout(ray_session, finetune, tmp_path, capsys):
+def test_a_run_resumes_from_its_latest_state_under_another_layout(ray_session, world, finetune, tmp_path, capsys):
     """--save-state-every, a lost step (the newest state removed, as if the job died before writing it), then
     --resume on another layout: metrics.jsonl goes on with steps 1..6 once each. Without --resume or --overwrite
     the second launch is refused before the cluster is asked for anything."""
     out = tmp_path / "run"
     common = ["--steps", "6", "--seq-len", "32", "--eval-every", "0", "--output-dir", str(out), "--no-progress"]
     first_layout = ["--tp-size", "1", "--fsdp-size", "2", "--ep-size", "2"]
-    assert finetune.main([*common, *first_layout, "--save-state-every", "2"]) == 0
+    assert finetune.main([*common, *first_layout, "--save-state-every", "2"], world(2)) == 0
     assert f"state  {out / 'states' / 'step-00000006'}" in capsys.readouterr().out
     assert sorted(p.name for p in (out / "states").iterdir()) == ["step-00000004", "step-00000006"]  # --keep-last 2
     first = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -261,7 +265,7 @@ def test_a_run_resumes_from_its_latest_state_under_another_layout(ray_session, f
     assert [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] == first  # untouched
 
     second_layout = ["--tp-size", "2", "--fsdp-size", "1", "--ep-size", "1"]
-    assert finetune.main([*common, *second_layout, "--save-state-every", "2", "--resume"]) == 0
+    assert finetune.main([*common, *second_layout, "--save-state-every", "2", "--resume"], world(2)) == 0
     printed = capsys.readouterr().out
     assert f"resumed  {out / 'states' / 'step-00000004'}" in printed and "steps  2" in printed
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -331,7 +335,7 @@ def adapter_files(directory: Path) -> tuple[dict, dict]:
 
 
 @pytest.mark.slow
-def test_a_lora_run_writes_a_peft_adapter_resumes_and_goes_on_from_it(ray_session, finetune, tmp_path, capsys):
+def test_a_lora_run_writes_a_peft_adapter_resumes_and_goes_on_from_it(ray_session, world, finetune, tmp_path, capsys):
     """--lora-r 4 on the embedded model (2 ranks, experts over ep): OUTPUT_DIR/adapter is a PEFT directory of every
     attention and expert weight's factors and nothing else, no checkpoint/; --resume from its state of step 2 ends
     with the same adapter; --adapter DIR --save-merged trains that adapter further (its eval before the first step
@@ -341,7 +345,7 @@ def test_a_lora_run_writes_a_peft_adapter_resumes_and_goes_on_from_it(ray_sessio
     out = tmp_path / "run"
     common = ["--steps", "4", "--seq-len", "32", "--eval-every", "0", "--no-progress", "--save-state-every", "2"]
     common += ["--tp-size", "1", "--fsdp-size", "2", "--ep-size", "2"]
-    assert finetune.main([*common, "--lora-r", "4", "--output-dir", str(out)]) == 0
+    assert finetune.main([*common, "--lora-r", "4", "--output-dir", str(out)], world(2)) == 0
     printed = capsys.readouterr().out
     config, tensors = adapter_files(out / "adapter")
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8)  # alpha: 2 x r by default
@@ -361,7 +365,7 @@ def test_a_lora_run_writes_a_peft_adapter_resumes_and_goes_on_from_it(ray_sessio
     assert first[-1]["eval_loss"] < first[0]["eval_loss"]  # the adapters learn
 
     shutil.rmtree(out / "states" / "step-00000004")  # as if the job died after step 4, before its state
-    assert finetune.main([*common, "--lora-r", "4", "--output-dir", str(out), "--resume"]) == 0
+    assert finetune.main([*common, "--lora-r", "4", "--output-dir", str(out), "--resume"], world(2)) == 0
     assert f"resumed  {out / 'states' / 'step-00000002'}" in capsys.readouterr().out
     _, resumed = adapter_files(out / "adapter")
     assert resumed.keys() == tensors.keys()
@@ -370,7 +374,7 @@ def test_a_lora_run_writes_a_peft_adapter_resumes_and_goes_on_from_it(ray_sessio
 
     more = tmp_path / "more"
     argv = [*common, "--adapter", str(out / "adapter"), "--model", str(base), "--save-merged"]
-    assert finetune.main([*argv, "--output-dir", str(more)]) == 0
+    assert finetune.main([*argv, "--output-dir", str(more)], world(2)) == 0
     printed = capsys.readouterr().out
     assert f"checkpoint  {more / 'checkpoint'}" in printed and f"adapter  {more / 'adapter'}" in printed
     again = [json.loads(line) for line in (more / "metrics.jsonl").read_text().splitlines()]
@@ -554,13 +558,13 @@ def test_output_dir_urls(finetune, tmp_path, capsys, s3_bucket):
 
 
 @pytest.mark.slow
-def test_a_run_writes_its_output_dir_to_s3(ray_session, finetune, s3_bucket, capsys):
+def test_a_run_writes_its_output_dir_to_s3(ray_session, world, finetune, s3_bucket, capsys):
     """The embedded model fine-tuned with --output-dir s3://...: checkpoint, tokenizer, metrics, plot and the state
     on the bucket, written by the ranks and the driver; nothing under a local folder named 's3:'."""
     import fsspec
 
     argv = ["--steps", "2", "--seq-len", "32", "--eval-every", "0", "--save-state-every", "2", "--no-progress"]
-    assert finetune.main([*argv, "--output-dir", f"{s3_bucket}/run"]) == 0
+    assert finetune.main([*argv, "--output-dir", f"{s3_bucket}/run"], world(4)) == 0
     fs, root = fsspec.filesystem("s3"), f"{s3_bucket.removeprefix('s3://')}/run"
     fs.invalidate_cache()
     for name in ("metrics.jsonl", "metrics.png", "checkpoint/model.safetensors", "checkpoint/tokenizer.json"):
