@@ -154,7 +154,7 @@ def test_a_frozen_rank_is_named_within_40_s_and_nothing_is_left(ray_session, tin
         tiny_checkpoint("moe_e8_k2_mha"),
         distributed_config=DistributedConfig(tp_size=2, fsdp_size=2),
         cpus_per_rank=0.25,
-        collective_timeout_s=20,
+        collective_timeout_s=10,
     )
     model.configure_training(lr=1e-3)
     pids = model.run_on_ranks(freeze_rank_one_at_next_forward)

@@ -70,7 +70,7 @@ def test_a_failed_rank_is_replaced_and_the_run_equals_an_uninterrupted_one(
     ray_session, tiny, uninterrupted, tmp_path, how
 ):
     model = raymoe.from_pretrained(
-        tiny, distributed_config=DistributedConfig(**LAYOUT), cpus_per_rank=0.25, collective_timeout_s=15
+        tiny, distributed_config=DistributedConfig(**LAYOUT), cpus_per_rank=0.25, collective_timeout_s=10
     )
     try:
         trainer = Trainer(model, data(), config(tmp_path, max_failures=1))
