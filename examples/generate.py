@@ -18,7 +18,11 @@ from pathlib import Path
 
 import raymoe
 from actors import PlacementError
+from raymoe.checkpoint import resolve_config_file
 from raymoe.driver.local_paths import path_flag
+from raymoe.driver.prompts import prompt_batch
+from raymoe.models import load_model_config
+from raymoe.models.common.generation import SamplingConfig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,6 +71,10 @@ def run(args: argparse.Namespace) -> list[list[int]]:
         "top_p": args.top_p,
         "seed": args.seed,
     }
+    # bad prompts (an empty one, ids the vocabulary lacks) and sampling options end the run here, before any rank
+    # starts; the handle would refuse them too, with ranks already up
+    prompt_batch(prompts, None, load_model_config(resolve_config_file(source).parent).vocab_size, pad_id=0)
+    SamplingConfig(**options)
     with raymoe.from_pretrained(
         source, distributed_config=layout, precision=args.precision, cpus_per_rank=args.cpus_per_rank
     ) as model:

@@ -1,5 +1,5 @@
 """examples/generate.py in this process on the session's local Ray: one prompt streams the same tokens that a batch
-of prompts gives, and bad input is one error line before any rank call."""
+of prompts gives, and bad input is one error line before any rank starts."""
 
 from __future__ import annotations
 
@@ -30,8 +30,26 @@ def test_streamed_prompt_equals_its_row_of_a_batch(ray_session, generate_script,
     assert batch[1][:1] == list(b"A")
 
 
-def test_an_empty_prompt_is_one_error_line(ray_session, generate_script, tmp_path, capsys):
-    argv = ["--prompt", "", "--fsdp-size", "2", "--output-dir", str(tmp_path), "--cpus-per-rank", "0.5"]
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prompt", ""], "prompt 0 is empty: every prompt needs a token"),
+        (["--prompt", "a", "--do-sample", "--top-p", "2"], "top_p=2.0 must be in (0, 1]"),
+    ],
+    ids=["empty-prompt", "top-p"],
+)
+def test_bad_input_is_one_error_line_before_any_rank_starts(
+    ray_session, generate_script, tmp_path, capsys, args, message
+):
+    from ray.util.state import list_actors
+
+    def rank_actors() -> int:
+        address = ray_session.get_runtime_context().gcs_address
+        return sum(a.class_name == "RankActor" for a in list_actors(address=address, limit=10_000))  # any state
+
+    before = rank_actors()
+    argv = [*args, "--fsdp-size", "2", "--output-dir", str(tmp_path), "--cpus-per-rank", "0.5"]
     assert generate_script.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["generate.py: error: prompt 0 is empty: every prompt needs a token"]
+    assert err == [f"generate.py: error: {message}"]
+    assert rank_actors() == before  # no rank was started (and stopped) for it
