@@ -112,12 +112,20 @@ def test_the_command_line(trained, tmp_path):
     ],
     ids=["plain", "merge-without-base", "base-without-merge", "both"],
 )
-def test_the_command_line_refuses_bad_requests(trained, tmp_path, args, message):
+def test_the_command_line_refuses_bad_requests(trained, tmp_path, capsys, args, message):
+    """The command line's ``main`` in this process (test_the_command_line runs ``python -m raymoe.cli`` itself: a
+    process each would be ~2.5 s of importing torch to print one line)."""
+    from raymoe.cli import main
+
     _, state, _, _ = trained[QWEN]
-    done = _cli(state, tmp_path / "out", *args)
-    assert done.returncode == 2 and not (tmp_path / "out").exists()
-    last = done.stderr.strip().splitlines()[-1]  # argparse's usage lines may come before the one error line
-    assert last.startswith("raymoe export: error: ") and re.search(message, last), done.stderr
+    try:
+        code = main(["export", str(state), str(tmp_path / "out"), *args])
+    except SystemExit as exited:  # argparse's own refusals
+        code = exited.code
+    err = capsys.readouterr().err
+    assert code == 2 and not (tmp_path / "out").exists()
+    last = err.strip().splitlines()[-1]  # argparse's usage lines may come before the one error line
+    assert last.startswith("raymoe export: error: ") and re.search(message, last), err
 
 
 def test_a_merge_onto_another_base_writes_nothing(trained, make_hf_model, tmp_path):
