@@ -10,6 +10,7 @@ This is the only raymoe module that imports ``actors``, and only inside these fu
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -89,13 +90,22 @@ def from_pretrained(
     process, no Ray) loads onto ranks that are already running instead of starting new ones: the layout must
     have ``world.world_size`` ranks, and the handle's ``shutdown`` then unloads the model and leaves the ranks
     for the next ``from_pretrained``.
-    The placement options (``use_gpu`` ... ``collective_timeout_s``) belong to the world then.
+    The placement options (``use_gpu`` ... ``collective_timeout_s``) belong to the world then: one given here is a
+    ValueError (it would change nothing).
 
     ``collective_timeout_s`` (default 300) bounds how long any collective may wait, on every process group
     (world and each sub-mesh); past it, the driver names the ranks the others wait for (a frozen process, a
     rank that never arrived), their coordinates, the sub-mesh and the collective, and frees every rank
     (``actors.RankHangError``). Raise it for a step or a shard read slower than that.
     """
+    if world is not None:
+        _refuse_placement_options(
+            use_gpu=use_gpu,
+            cpus_per_rank=cpus_per_rank,
+            backend=backend,
+            placement_timeout_s=placement_timeout_s,
+            collective_timeout_s=collective_timeout_s,
+        )
     config = as_config(distributed_config)
     if world is None and config.tp_is_deferred and world_size is None:
         from actors.cluster import cluster_gpus, connect
@@ -134,6 +144,18 @@ def from_pretrained(
     )
     group = RayRankGroup.for_topology(spec.topology, options, shared=reads)
     return DistributedModel.launch(spec, group, owns_group=True)
+
+
+def _refuse_placement_options(**given: object) -> None:
+    """With ``world=``, ``from_pretrained``'s placement options (set away from their defaults) are a ValueError: the
+    ranks run already, placed and timed by the world's own options (:func:`start_world`)."""
+    defaults = inspect.signature(from_pretrained).parameters
+    changed = [f"{name}={value!r}" for name, value in given.items() if value != defaults[name].default]
+    if changed:
+        raise ValueError(
+            f"from_pretrained(world=...) loads onto ranks already placed: {', '.join(changed)} would change "
+            "nothing; those are the world's options (give them to start_world)"
+        )
 
 
 def plan(model: str | os.PathLike[str], *, gpus: int, gpu_memory: str | int, **options: Any) -> MemoryPlan:

@@ -158,3 +158,15 @@ def test_one_failure_too_many_names_the_newest_state(tiny, tmp_path, fail_at_for
             trainer.fit()
     assert err.value.state == tmp_path / "states" / "step-00000004"
     assert err.value.cause == "LocalRankError: rank 0 failed in train_step: RuntimeError: injected failure"
+
+
+@pytest.mark.parametrize(
+    ("option", "shown"),
+    [({"cpus_per_rank": 2}, "cpus_per_rank=2"), ({"collective_timeout_s": 30, "use_gpu": False}, "use_gpu=False")],
+)
+def test_placement_options_with_a_world_are_one_error_and_the_world_stays(load_local, tiny, option, shown):
+    """The world's ranks run already: a placement option given to from_pretrained would change nothing."""
+    with pytest.raises(ValueError, match=rf"from_pretrained\(world=\.\.\.\) .*{shown}.*give them to start_world"):
+        load_local(tiny, **option)
+    with load_local(tiny) as model:  # the same world, untouched, loads the model
+        assert model(torch.tensor([[1, 2, 3]])).shape == (1, 3, model.model_config.vocab_size)
