@@ -38,7 +38,9 @@ def _graphs():
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
-# inductor's C++ once; the same graphs traced for checkpointing's regions run on eager kernels (aot_eager)
+# inductor's C++ once (one row length: each new one compiles every kernel again, tens of seconds on 2 cores); the
+# same graphs traced for checkpointing's regions run on eager kernels (aot_eager), and there a second row length
+# shows how many graphs a new shape adds (dynamo's guards decide that, whatever the backend)
 @pytest.mark.parametrize(("checkpointing", "backend"), [("none", "inductor"), ("selective", "aot_eager")])
 def test_compiled_blocks_train_like_eager_with_one_graph_for_every_layer(tiny_checkpoint, checkpointing, backend):
     directory = tiny_checkpoint(MOE)
@@ -54,16 +56,18 @@ def test_compiled_blocks_train_like_eager_with_one_graph_for_every_layer(tiny_ch
     assert all(abs(g - w) <= 1e-5 * abs(w) for g, w in zip(got, want, strict=True)), (got, want)
     assert compile_seconds() > before
     assert _graphs() == (1, 0)  # the first layer's graph serves the second; nothing breaks it
-    # another row length adds one graph (then reused), not one per step
-    more = _batches(eager.config.vocab_size, [(4, 20)] * 2, seed=1)
-    assert _train(compiled, more) == pytest.approx(_train(eager, more), rel=1e-5)
-    assert _graphs() == (2, 0)
+    graphs = 1
+    if backend == "aot_eager":  # another row length adds one graph (then reused), not one per step
+        more = _batches(eager.config.vocab_size, [(4, 20)] * 2, seed=1)
+        assert _train(compiled, more) == pytest.approx(_train(eager, more), rel=1e-5)
+        graphs = 2
+        assert _graphs() == (graphs, 0)
     # generation's cached steps run the eager forward: the same tokens, no graph
     prompt = batches[0][:2, :5]
     with torch.no_grad():
         tokens = generate(compiled, prompt, 4, eos_token_ids=())
         assert torch.equal(tokens, generate(eager, prompt, 4, eos_token_ids=()))
-    assert _graphs() == (2, 0)
+    assert _graphs() == (graphs, 0)
 
 
 def test_a_new_model_compiles_whatever_the_graphs_earlier_models_left(tiny_checkpoint):

@@ -3,8 +3,9 @@ transformers in one process, save, reload in transformers."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,29 +16,44 @@ from ray import cloudpickle
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 LR, WEIGHT_DECAY, STEPS, ROWS, SEQ = 1e-3, 0.1, 3, 8, 10
-MICRO = 2  # micro-batches of the counted step
+METER = "_layout_test_meter"  # the rank context's attribute holding the meter a layout test started
 
 
-def counted_step(ctx, vocab: int, seq: int = SEQ) -> tuple[int, int, int, int, dict[str, int]]:
-    """A training step of ``MICRO`` micro-batches (the same rows on every rank) under the meter
-    (:func:`_budget_parts`); the second of two where a first step of a new shape sets something up (a pipeline's
-    schedule, compiled blocks' graphs), else the layout test's steps before it were the warm-up."""
-    import torch
+def start_meter(ctx) -> None:
+    """Enter a :class:`~raymoe.rank.host_syncs.HostSyncs` on this rank until :func:`stop_meter`: it counts what the
+    handle's own calls in between run on the rank (the layout test's last step, its generation), not a step of its
+    own. A rank actor runs every call on one thread, the one the meter's modes are entered on (checked at the stop)."""
+    import threading
 
-    from raymoe.parallel.compiled_blocks import is_compiled
-    from raymoe.rank.contract import MicroBatch
     from raymoe.rank.host_syncs import HostSyncs
-    from raymoe.rank.train import train_step
 
-    ids = torch.randint(0, vocab, (ROWS, seq), generator=torch.Generator().manual_seed(0))
-    micro = MicroBatch(ids, ids.clone(), torch.ones_like(ids, dtype=torch.bool))
-    tokens = MICRO * ids.numel() * ctx.topology.world_size
-    model = ctx.require_model()
-    if ctx.topology.config.pp_size > 1 or any(is_compiled(part) for part in model.parts):
-        train_step(ctx, [micro] * MICRO, global_tokens=tokens)
-    with HostSyncs() as syncs:
-        train_step(ctx, [micro] * MICRO, global_tokens=tokens)
+    if hasattr(ctx, METER):
+        raise RuntimeError("a meter is running on this rank already")
+    setattr(ctx, METER, (HostSyncs().__enter__(), threading.get_ident()))
+
+
+def stop_meter(ctx) -> tuple[int, int, int, int, dict[str, int]]:
+    """Exit the meter :func:`start_meter` entered: :func:`_budget_parts` of what it counted."""
+    import threading
+
+    syncs, thread = getattr(ctx, METER)
+    delattr(ctx, METER)
+    if thread != threading.get_ident():
+        raise RuntimeError("the rank ran the metered calls on another thread than the meter's: it counted nothing")
+    syncs.__exit__(None, None, None)
     return _budget_parts(ctx, syncs)
+
+
+@contextlib.contextmanager
+def metered(model) -> Iterator[list[tuple[int, int, int, int, dict[str, int]]]]:
+    """``with metered(model) as counts: model.train_step(...)``: each rank's :func:`_budget_parts` of the calls in the
+    block, in ``counts`` after it (the meter stops on every rank even when the block fails)."""
+    model.run_on_ranks(start_meter)
+    counts: list[tuple[int, int, int, int, dict[str, int]]] = []
+    try:
+        yield counts
+    finally:
+        counts.extend(model.run_on_ranks(stop_meter))
 
 
 def dynamo_graphs(ctx) -> int:
@@ -45,23 +61,6 @@ def dynamo_graphs(ctx) -> int:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]
-
-
-def counted_decode(ctx, vocab: int, new_tokens: int) -> tuple[int, int, int, int, dict[str, int]]:
-    """``generate_tokens`` of ``new_tokens`` steps (sampling; stop rules that stop nothing, so every rank steps them
-    all) under the meter (:func:`_budget_parts`)."""
-    import torch
-
-    from raymoe.models.common.generation import SamplingConfig, StopRules
-    from raymoe.rank.contract import DecodeRequest
-    from raymoe.rank.host_syncs import HostSyncs
-    from raymoe.rank.infer import generate_tokens
-
-    ids = torch.randint(1, vocab, (2, 6), generator=torch.Generator().manual_seed(0))
-    request = DecodeRequest(new_tokens, SamplingConfig(do_sample=True, seed=3), StopRules(eos_ids=(), pad_id=0))
-    with HostSyncs() as syncs:
-        generate_tokens(ctx, ids, None, torch.arange(2), request)
-    return _budget_parts(ctx, syncs)
 
 
 def _budget_parts(ctx, syncs) -> tuple[int, int, int, int, dict[str, int]]:
@@ -77,17 +76,19 @@ def _budget_parts(ctx, syncs) -> tuple[int, int, int, int, dict[str, int]]:
     return syncs.count, dispatch, fallback, moe_layers, dict(syncs.sites)
 
 
-def check_sync_budgets(model, vocab: int, seq: int = SEQ) -> None:
-    """The sync budgets (issue 36) of a training step: one device -> host sync (the step's answer), plus under token
-    dispatch the all-to-all split sizes, one per MoE layer and micro-batch (again in recomputation); and of
-    decoding: one per token (plus one read of the rows' host ids when it starts, which the CPU meter counts), plus
-    the split sizes at each forward. The padded GEMM fallback's reads are granted too (:func:`_budget_parts`)."""
-    recomputed = 2 if model.topology.config.activation_checkpointing != "none" else 1
-    for syncs, dispatch, fallback, moe_layers, sites in model.run_on_ranks(counted_step, vocab, seq):
+def check_step_budget(counts, micro_batches: int, recomputed: int) -> None:
+    """The sync budget (issue 36) of a training step: one device -> host sync (the step's answer), plus under token
+    dispatch the all-to-all split sizes, one per MoE layer and micro-batch (again in recomputation). The padded GEMM
+    fallback's reads are granted too (:func:`_budget_parts`)."""
+    for syncs, dispatch, fallback, moe_layers, sites in counts:
         assert syncs - dispatch - fallback <= 1, sites
-        assert dispatch in (0, moe_layers * MICRO * recomputed), sites
-    new_tokens = 3  # the prompt and two one-token steps: a sync per token or per forward more shows
-    for syncs, dispatch, fallback, moe_layers, sites in model.run_on_ranks(counted_decode, vocab, new_tokens):
+        assert dispatch in (0, moe_layers * micro_batches * recomputed), sites
+
+
+def check_decode_budget(counts, new_tokens: int) -> None:
+    """The sync budget of decoding ``new_tokens``: one per token (plus one read of the rows' host ids when it starts,
+    which the CPU meter counts), plus token dispatch's split sizes at each forward."""
+    for syncs, dispatch, fallback, moe_layers, sites in counts:
         assert syncs - dispatch - fallback <= new_tokens + 1, sites
         assert dispatch in (0, moe_layers * new_tokens), sites
 
@@ -109,9 +110,11 @@ def check_layout(
     Three AdamW steps on padded batches under ``config``: each loss and gradient norm within 1e-5 (relative)
     of transformers training on the whole global batch in one process; the saved checkpoint loads in
     transformers with every weight within 1e-5 of the reference's, and gives the handle's logits (1e-5) and its
-    greedy continuation of one prompt. ``zero_gradient`` names (suffixes) the parameters whose exact gradient is
-    zero, a key bias under softmax attention without sinks (it shifts all of a query's scores alike): AdamW turns
-    their rounding noise into moves of up to lr a step, different under every layout, so they are held to that bound.
+    greedy continuation of one prompt. The last step and that generation run under the sync meter, each rank held to
+    the budgets (:func:`check_step_budget`, :func:`check_decode_budget`). ``zero_gradient`` names (suffixes) the
+    parameters whose exact gradient is zero, a key bias under softmax attention without sinks (it shifts all of a
+    query's scores alike): AdamW turns their rounding noise into moves of up to lr a step, different under every
+    layout, so they are held to that bound.
     """
 
     def check(
@@ -130,7 +133,10 @@ def check_layout(
         with load_on_world(directory, config, **load_options) as model:
             model.configure_training(lr=LR, weight_decay=WEIGHT_DECAY, betas=TORCH_BETAS, max_grad_norm=None)
             graphs_before = model.run_on_ranks(dynamo_graphs)
-            metrics = [model.train_step(ids, attention_mask=mask, micro_batches=micro_batches) for ids, mask in data]
+            *first, (last_ids, last_mask) = data
+            metrics = [model.train_step(ids, attention_mask=mask, micro_batches=micro_batches) for ids, mask in first]
+            with metered(model) as step_counts:  # the sync budget, on the test's own last step
+                metrics.append(model.train_step(last_ids, attention_mask=last_mask, micro_batches=micro_batches))
             if load_options.get("compile"):  # the steps ran compiled graphs, each rank's own, not eager code
                 after = model.run_on_ranks(dynamo_graphs)
                 assert all(a > b for a, b in zip(after, graphs_before, strict=True)), (graphs_before, after)
@@ -154,8 +160,12 @@ def check_layout(
             expected = trained.generate(
                 prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False
             )
-            assert model.generate(prompt[0:1].tolist(), 4) == [expected[0].tolist()]
-            check_sync_budgets(model, vocab=hf_model.config.vocab_size, seq=seq)
+            with metered(model) as decode_counts:
+                generated = model.generate(prompt[0:1].tolist(), 4)
+            assert generated == [expected[0].tolist()]
+            recomputed = 2 if model.topology.config.activation_checkpointing != "none" else 1
+            check_step_budget(step_counts, micro_batches, recomputed)
+            check_decode_budget(decode_counts, new_tokens=len(generated[0]) - prompt.shape[1])
         return metrics
 
     return check

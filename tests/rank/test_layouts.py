@@ -35,8 +35,9 @@ def test_layout_trains_like_one_process(check_layout, tmp_path, layout):
     assert all(m["num_tokens"] > 0 and m["grad_norm"] > 0 for m in metrics)
 
 
-def test_gradient_accumulation_equals_one_big_step(check_layout, tmp_path):
-    check_layout({"fsdp_size": 2, "tp_size": 2}, tmp_path, MOE, micro_batches=2)
+@pytest.mark.parametrize("layout", ["tp2-fsdp2", "tp2-fsdp2-ep2"])  # token dispatch: split sizes per micro-batch
+def test_gradient_accumulation_equals_one_big_step(check_layout, tmp_path, layout):
+    check_layout(LAYOUTS[layout], tmp_path, MOE, micro_batches=2)
 
 
 def starved_checkpoint(directory):
