@@ -19,6 +19,7 @@ from pathlib import Path
 import raymoe
 from actors import PlacementError
 from raymoe.checkpoint import resolve_config_file
+from raymoe.driver.group import RankGroup
 from raymoe.driver.local_paths import path_flag
 from raymoe.driver.prompts import prompt_batch
 from raymoe.models import load_model_config
@@ -55,8 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run(args: argparse.Namespace) -> list[list[int]]:
-    """Print the continuations; returns each prompt's token ids followed by its continuation's."""
+def run(args: argparse.Namespace, world: RankGroup | None = None) -> list[list[int]]:
+    """Print the continuations; returns each prompt's token ids followed by its continuation's. ``world``: ranks
+    already started (``raymoe.start_world``) to load onto instead of starting this run's own; its size is the
+    layout's, --cpus-per-rank is then its own, and it stays up after the run (the model is unloaded)."""
     if args.model is None:
         source = str(raymoe.build_tiny_checkpoint(args.output_dir / "base-model"))
         tokenizer = raymoe.TextTokenizer.byte_level()
@@ -75,9 +78,8 @@ def run(args: argparse.Namespace) -> list[list[int]]:
     # starts; the handle would refuse them too, with ranks already up
     prompt_batch(prompts, None, load_model_config(resolve_config_file(source).parent).vocab_size, pad_id=0)
     SamplingConfig(**options)
-    with raymoe.from_pretrained(
-        source, distributed_config=layout, precision=args.precision, cpus_per_rank=args.cpus_per_rank
-    ) as model:
+    placement = {"cpus_per_rank": args.cpus_per_rank} if world is None else {"world": world}
+    with raymoe.from_pretrained(source, distributed_config=layout, precision=args.precision, **placement) as model:
         if len(prompts) > 1:
             rows = model.generate(prompts, args.max_new_tokens, **options)
             assert isinstance(rows, list)  # lists in, lists out
@@ -103,10 +105,11 @@ def print_new_text(text: str, shown: str) -> str:
     return text
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, world: RankGroup | None = None) -> int:
+    """The command line; ``world`` as in :func:`run`."""
     args = parse_args(argv)
     try:
-        run(args)
+        run(args, world)
     except (ValueError, PlacementError) as exc:
         print(f"generate.py: error: {exc}", file=sys.stderr)
         return 2

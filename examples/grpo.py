@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 import raymoe
 from actors import PlacementError
+from raymoe.driver.group import RankGroup
 from raymoe.driver.local_paths import path_flag
 from raymoe.driver.metrics import METRICS_FILE, MetricsLog
 
@@ -185,14 +186,17 @@ def plot_rewards(records: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The whole run; returns the step records (also in ``--output-dir/metrics.jsonl``)."""
+def run(args: argparse.Namespace, world: RankGroup | None = None) -> list[dict[str, Any]]:
+    """The whole run; returns the step records (also in ``--output-dir/metrics.jsonl``). ``world``: ranks already
+    started (``raymoe.start_world``) to load onto instead of starting this run's own; its size is the layout's,
+    --cpus-per-rank is then its own, and it stays up after the run (the model is unloaded)."""
     layout = parse_layout(args.layout)
     raymoe.DistributedConfig(**layout)  # a bad layout fails here, before anything starts
     source = args.model or str(raymoe.build_tiny_checkpoint(args.output_dir / "base-model", seed=args.seed))
     rng = random.Random(args.seed)
     started = time.perf_counter()
-    with raymoe.from_pretrained(source, distributed_config=layout, cpus_per_rank=args.cpus_per_rank) as model:
+    placement = {"cpus_per_rank": args.cpus_per_rank} if world is None else {"world": world}
+    with raymoe.from_pretrained(source, distributed_config=layout, **placement) as model:
         log = MetricsLog(args.output_dir / METRICS_FILE)  # once the model loaded: a refused layout writes nothing
         model.configure_training(lr=args.lr, weight_decay=0.0, balance="none")
         with tqdm(total=args.steps, desc="grpo", unit="step", disable=args.no_progress, mininterval=0.5) as bar:
@@ -214,10 +218,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return log.records
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, world: RankGroup | None = None) -> int:
+    """The command line; ``world`` as in :func:`run`."""
     args = parse_args(argv)
     try:
-        run(args)
+        run(args, world)
     except (ValueError, PlacementError) as exc:
         print(f"grpo.py: error: {exc}", file=sys.stderr)
         return 2

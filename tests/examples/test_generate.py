@@ -20,12 +20,14 @@ def generate_script():
 
 
 @pytest.mark.slow
-def test_streamed_prompt_equals_its_row_of_a_batch(ray_session, generate_script, tmp_path, capsys):
+def test_streamed_prompt_equals_its_row_of_a_batch(ray_session, world, generate_script, tmp_path, capsys):
+    """The prompt streamed on the script's own ranks, then in a batch on the session's world of the same size."""
     common = ["--max-new-tokens", "12", "--fsdp-size", "2", "--ep-size", "2", "--output-dir", str(tmp_path)]
     common += ["--do-sample", "--temperature", "0.8", "--seed", "3", "--cpus-per-rank", "0.5"]
     [streamed] = generate_script.run(generate_script.parse_args(["--prompt", "The river ", *common]))
     assert capsys.readouterr().out.startswith("The river ") and len(streamed) == len(b"The river ") + 12
-    batch = generate_script.run(generate_script.parse_args(["--prompt", "The river ", "--prompt", "A", *common]))
+    both = generate_script.parse_args(["--prompt", "The river ", "--prompt", "A", *common])
+    batch = generate_script.run(both, world(2))
     assert batch[0] == streamed  # row 0 of the batch: the same global row, the same sampling numbers
     assert batch[1][:1] == list(b"A")
 
