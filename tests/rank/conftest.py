@@ -47,13 +47,17 @@ def stop_meter(ctx) -> tuple[int, int, int, int, dict[str, int]]:
 @contextlib.contextmanager
 def metered(model) -> Iterator[list[tuple[int, int, int, int, dict[str, int]]]]:
     """``with metered(model) as counts: model.train_step(...)``: each rank's :func:`_budget_parts` of the calls in the
-    block, in ``counts`` after it (the meter stops on every rank even when the block fails)."""
+    block, in ``counts`` after it. When the block fails the meter is stopped too (the world is shared) and the
+    block's error is the one raised."""
     model.run_on_ranks(start_meter)
     counts: list[tuple[int, int, int, int, dict[str, int]]] = []
     try:
         yield counts
-    finally:
-        counts.extend(model.run_on_ranks(stop_meter))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            model.run_on_ranks(stop_meter)
+        raise
+    counts.extend(model.run_on_ranks(stop_meter))
 
 
 def dynamo_graphs(ctx) -> int:
