@@ -280,7 +280,7 @@ def test_a_run_resumes_from_its_latest_state_under_another_layout(ray_session, w
 
 @pytest.mark.slow
 def test_sigint_stops_at_a_step_boundary_saves_the_state_and_frees_every_rank(ray_session, tmp_path):
-    """Ctrl-C to a running finetune.py (its own driver process, on the session's Ray): it exits within 30 s with
+    """Ctrl-C to a running finetune.py (its own driver process, 2 ranks on the session's Ray): it exits within 30 s with
     130 after the step in progress, leaves a training state to resume from, and no rank actor behind."""
     import os
     import signal
@@ -291,8 +291,9 @@ def test_sigint_stops_at_a_step_boundary_saves_the_state_and_frees_every_rank(ra
     before = rank_actors_alive(ray_session)
     out = tmp_path / "run"
     env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
+    # 2 ranks (fsdp2): the interrupt and the ranks' release are the subject, not the layout
     command = [sys.executable, str(SCRIPT), "--steps", "500", "--output-dir", str(out), "--no-progress",
-               "--cpus-per-rank", "0.25"]  # fmt: skip
+               "--cpus-per-rank", "0.25", "--tp-size", "1", "--ep-size", "1"]  # fmt: skip
     driver = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 180
