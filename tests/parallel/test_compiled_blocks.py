@@ -42,7 +42,7 @@ def _graphs():
 # kernels (aot_eager): what this file asks (eager's numbers, graph counts, a new row length adding one graph, generation
 # left eager) dynamo's trace and guards decide, whatever the backend. Inductor's C++ compiles once in the suite, on the
 # ranks under FSDP2 (tests/rank/test_compiled_blocks.py: its kernels over parameters FSDP2 gathers and frees each
-# step), not here too: 20-30 s of a fresh clone's suite on 2 cores for the same kernels.
+# step), not here too: 18-32 s on 2 cores (alone, and in a whole suite's run) for the same kernels.
 @pytest.mark.parametrize("checkpointing", ["none", "selective"])
 def test_compiled_blocks_train_like_eager_with_one_graph_for_every_layer(tiny_checkpoint, checkpointing):
     directory = tiny_checkpoint(MOE)
