@@ -2,18 +2,18 @@
 gradients still pending a sum (a LoRA factor replicated over a mesh its base is split on) are summed.
 
 Gradients are DTensors on the dense mesh (dp_replicate, fsdp, tp), DTensors on the expert mesh
-(dp_replicate, efsdp, ep), or plain tensors every rank holds whole. Each layout's squared local
-norms are summed with one multi-tensor op and reduced once, over the axes its gradients are
-sharded on.
+(dp_replicate, efsdp, ep), or plain tensors every rank holds whole. Squared local norms are summed with
+multi-tensor ops, weighted by how many ranks hold each piece, and reduced once over the world.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
+from torch.distributed.tensor import DTensor, Replicate
 
 
 def sum_partial_grads(params: list[nn.Parameter]) -> None:
@@ -27,36 +27,43 @@ def sum_partial_grads(params: list[nn.Parameter]) -> None:
             param.grad = grad.redistribute(grad.device_mesh, whole)
 
 
-def grad_norm(
-    params: list[nn.Parameter], across: dist.ProcessGroup | None = None, device: torch.device | None = None
-) -> Tensor:
-    """The 2-norm of all gradients as one vector, over both meshes (SPEC TRAIN-2).
+def grad_norm(params: list[nn.Parameter], stage_ranks: int, device: torch.device | None = None) -> Tensor:
+    """The 2-norm of all gradients as one vector, over both meshes and every pipeline stage (SPEC TRAIN-2), with
+    one all-reduce over the world.
 
-    Squares of the local shards are summed with plain tensor ops per layout (mesh, placements);
-    each layout's sum is then reduced once, over the mesh axes its gradients are sharded on
-    (a sharded axis holds different pieces, a replicated one the same piece). ``across`` (the
-    pipeline group) holds the other parameters of the model: its ranks' sums add up. The norm stays on
+    A gradient's mesh splits it into ``pieces`` distinct local shards (the product of the sizes of its sharded mesh
+    dims; 1 for a plain tensor or a replicated DTensor), and each piece is held by ``stage_ranks / pieces`` ranks
+    of the world (``stage_ranks``: the ranks of one pipeline stage, which together hold all of its parameters; the
+    rest hold copies, or other stages' parameters). So each rank adds the squares of its local shards times
+    ``pieces / stage_ranks``, and the sum over the world counts every piece once::
+
+        tp2/fsdp2/ep2 (4 ranks)   mesh            placements                 pieces  weight
+        norm weights              (fsdp,)         Shard                      2       1/2  (a copy per tp rank)
+        attention projections     (fsdp, tp)      _StridedShard, Shard       4       1
+        experts                   (efsdp, ep)     _StridedShard, Shard       4       1
+
+    One collective instead of one per (mesh, placements) and mesh dim (8 on that layout). The norm stays on
     ``device`` (a float32 0-d tensor): nothing here waits for the device.
     """
-    # (mesh, placements) of a DTensor gradient; None for plain tensors, which every rank holds whole
-    locals_by_layout: dict[tuple[DeviceMesh, tuple[Placement, ...]] | None, list[Tensor]] = {}
+    squares: dict[tuple[int, torch.device], list[Tensor]] = {}  # (pieces, device) -> local shards
     for param in params:
         grad = param.grad
         assert grad is not None
         if isinstance(grad, DTensor):
-            locals_by_layout.setdefault((grad.device_mesh, grad.placements), []).append(grad.to_local())
+            mesh = grad.device_mesh
+            pieces = math.prod(mesh.size(i) for i, p in enumerate(grad.placements) if not p.is_replicate())
+            local = grad.to_local()
         else:
-            locals_by_layout.setdefault(None, []).append(grad)
+            pieces, local = 1, grad
+        squares.setdefault((pieces, local.device), []).append(local)
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for layout, local_grads in locals_by_layout.items():
+    for (pieces, _), local_grads in squares.items():
         square = torch.stack(torch._foreach_norm(local_grads, 2, dtype=torch.float32)).pow(2).sum()
-        if layout is not None:
-            mesh, placements = layout
-            summed_over = [Replicate() if p.is_replicate() else Partial() for p in placements]
-            square = DTensor.from_local(square, mesh, summed_over, run_check=False).full_tensor()
-        total = total + square
-    if across is not None:
-        dist.all_reduce(total, group=across)
+        if square.device != total.device:  # offloaded gradients: their squares are summed on the host
+            square = square.to(total.device)
+        total = total + square * (pieces / stage_ranks)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
     return total.sqrt()
 
 

@@ -39,6 +39,7 @@ from raymoe.rank.runner import Backward
 from raymoe.spec.balance import BalanceConfig
 from raymoe.spec.optimizer import OptimizerConfig
 from raymoe.spec.policy import PolicyLoss
+from raymoe.spec.topology import Axis
 
 
 def configure_optimizer(ctx: RankContext, config: OptimizerConfig, balance: BalanceConfig | None = None) -> None:
@@ -96,7 +97,8 @@ def train_step(
     divisor = 1.0 if policy is not None and policy.is_callable else global_tokens
     done = loaded.runner.backward(ctx, training, micro_batches, divisor, policy)
     scale = _callable_scale(ctx, done) if policy is not None and policy.is_callable else None
-    norm = _optimizer_step(training, lr, across=loaded.runner.norm_group(ctx), device=ctx.device, scale=scale)
+    stage_ranks = ctx.topology.world_size // ctx.topology.axis_size(Axis.PP)
+    norm = _optimizer_step(training, lr, stage_ranks, device=ctx.device, scale=scale)
     routings = done.routings
     load_LE = torch.stack([r.load_LE for r in routings]).sum(dim=0) if routings else None
     bias_rate = training.balance.bias_update_rate
@@ -157,12 +159,13 @@ def _step_result(done: Backward, norm: Tensor, *, answers: bool, split: ContextS
 def _optimizer_step(
     training: Training,
     lr: float | None,
-    across: dist.ProcessGroup | None = None,
+    stage_ranks: int,
     device: torch.device | None = None,
     scale: Tensor | None = None,
 ) -> Tensor:
     """Scale the gradients by ``scale`` (a callable policy loss's ``1 / N``), clip by the global gradient norm
-    (summed ``across`` the pipeline stages), step AdamW, clear the gradients; returns the norm before clipping."""
+    (over every stage; ``stage_ranks``: the ranks of one pipeline stage), step AdamW, clear the gradients; returns
+    the norm before clipping."""
     optimizer, config = training.optimizer, training.config
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if scale is not None:
@@ -171,7 +174,7 @@ def _optimizer_step(
             local = local_tensor(param.grad)
             local.mul_(scale.to(local.dtype))
     sum_partial_grads(params)
-    norm = grad_norm(params, across=across, device=device)
+    norm = grad_norm(params, stage_ranks, device=device)
     if config.max_grad_norm is not None:
         clip_grads(params, norm, config.max_grad_norm)
     if lr is not None:
