@@ -4,6 +4,7 @@ transformers in one process, save, reload in transformers."""
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +18,51 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 LR, WEIGHT_DECAY, STEPS, ROWS, SEQ = 1e-3, 0.1, 3, 8, 10
 METER = "_layout_test_meter"  # the rank context's attribute holding the meter a layout test started
+# RAYMOE_FULL_MATRIX=1: every family on every layout of a `family_layouts` test (make test runs a covering subset)
+FULL_MATRIX = os.environ.get("RAYMOE_FULL_MATRIX", "") == "1"
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``@pytest.mark.family_layouts(families, layouts, every_family=(...), skip=(...))`` parametrizes a test's
+    ``(name, layout)`` with :func:`family_layout_cases`."""
+    marker = metafunc.definition.get_closest_marker("family_layouts")
+    if marker is not None:
+        cases = family_layout_cases(*marker.args, **marker.kwargs)
+        metafunc.parametrize(("name", "layout"), cases, ids=[f"{name}-{layout}" for name, layout in cases])
+
+
+def family_layout_cases(
+    families: list[str],
+    layouts: list[str],
+    *,
+    every_family: tuple[str, ...] = (),
+    skip: tuple[tuple[str, str], ...] = (),
+    full: bool = FULL_MATRIX,
+) -> list[tuple[str, str]]:
+    """The (family, layout) pairs a test trains: with ``full`` every pair but ``skip``; otherwise each family on
+    every layout of ``every_family`` (those whose code differs per family: attention split across ranks), and each
+    other layout once, the families taken in turn::
+
+        families A B C, layouts p q (every_family) r s t u     ->   A B C on p and q;  r:A s:B t:C u:A
+
+    The layouts' own code is family-agnostic past the styles each family maps to; the full product stays one
+    variable away (``RAYMOE_FULL_MATRIX=1``). A turn that lands on a ``skip`` pair passes to the next family."""
+    if full:
+        return [(family, layout) for layout in layouts for family in families if (family, layout) not in skip]
+    cases = [(family, layout) for layout in every_family for family in families if (family, layout) not in skip]
+    rest = [layout for layout in layouts if layout not in every_family]
+    turn = 0
+    for layout in rest:
+        allowed = [family for family in families if (family, layout) not in skip]
+        if not allowed:
+            continue
+        family = families[turn % len(families)]
+        while family not in allowed:
+            turn += 1
+            family = families[turn % len(families)]
+        cases.append((family, layout))
+        turn += 1
+    return cases
 
 
 def start_meter(ctx) -> None:

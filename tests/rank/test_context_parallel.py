@@ -34,14 +34,15 @@ LAYOUTS = {
 ZERO_GRADIENT = {DEEPSEEK: ("self_attn.kv_a_proj_with_mqa.bias",)}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("name", [QWEN, GPT_OSS, DEEPSEEK])
+# Each attention (MHA, GQA with windows and sinks, MLA) under ring attention at both cp sizes (cp4: gpt-oss's window
+# of 5 spans two of its chunks of 4) and with heads split by tp; each other layout on one family in turn.
+@pytest.mark.family_layouts([QWEN, GPT_OSS, DEEPSEEK], list(LAYOUTS), every_family=("cp2", "cp4", "cp2-tp2"))
 def test_every_family_trains_like_one_process_under_context_parallelism(check_layout, tmp_path, name, layout):
     check_layout(config_of(layout, name), tmp_path, name, seq=SEQ, zero_gradient=ZERO_GRADIENT.get(name, ()))
 
 
-@pytest.mark.parametrize("layout", ["cp2-fsdp2", "cp4", "cp2-tp2"])
-@pytest.mark.parametrize("name", [QWEN, GPT_OSS, DEEPSEEK])
+# all-to-all splits each family's heads four ways under cp4; the other two layouts on one family each
+@pytest.mark.family_layouts([QWEN, GPT_OSS, DEEPSEEK], ["cp2-fsdp2", "cp4", "cp2-tp2"], every_family=("cp4",))
 def test_all_to_all_attention_trains_like_one_process(check_layout, tmp_path, name, layout):
     config = {**config_of(layout, name), "cp_mode": "all_to_all"}
     check_layout(config, tmp_path, name, seq=SEQ, zero_gradient=ZERO_GRADIENT.get(name, ()))

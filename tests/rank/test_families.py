@@ -29,9 +29,9 @@ LOGIT_LAYOUTS = {
 }
 TRAIN_LAYOUTS = {
     "one-rank": {},
-    "fsdp4-ep4": {"fsdp_size": 4, "ep_size": 4},
     "tp2-fsdp2-ep2": {"tp_size": 2, "fsdp_size": 2, "ep_size": 2},
     "tp2-fsdp2": {"tp_size": 2, "fsdp_size": 2},  # experts under TP: gpt-oss's replicated down bias, 1/tp per rank
+    "fsdp4-ep4": {"fsdp_size": 4, "ep_size": 4},
     "dp_replicate2-fsdp2-ep2": {"dp_replicate_size": 2, "fsdp_size": 2, "ep_size": 2},
 }
 
@@ -74,21 +74,23 @@ def test_logits_equal_transformers(name, layout_name, load_on_world, tiny_checkp
             assert model.plans.expert_mode == "masking"
 
 
-@pytest.mark.parametrize(
-    ("name", "layout_name"),
-    [
-        *[
-            (name, layout_name)
-            for name in FAMILIES
-            # experts under TP without EP (gpt-oss's replicated down bias); issue 15 names the other four layouts
-            for layout_name in TRAIN_LAYOUTS
-            if not (name in SHARED_EXPERT_FAMILIES and layout_name == "tp2-fsdp2")
-        ],
-        (DEEPSEEK_QPROJ, "tp2-fsdp2-ep2"),
-    ],
+# Every family in one rank and under tp/fsdp/ep (its attention and experts split every way at once); the other
+# layouts each on one family in turn (tp2-fsdp2 first: gpt-oss's experts under TP without EP, its replicated down
+# bias). Issue 15 names all four layouts for the shared-expert families: RAYMOE_FULL_MATRIX=1 runs them all.
+@pytest.mark.family_layouts(
+    FAMILIES,
+    list(TRAIN_LAYOUTS),
+    every_family=("one-rank", "tp2-fsdp2-ep2"),
+    skip=tuple((name, "tp2-fsdp2") for name in SHARED_EXPERT_FAMILIES),
 )
-def test_training_equals_transformers(name, layout_name, check_layout, tmp_path):
-    metrics = check_layout(TRAIN_LAYOUTS[layout_name], tmp_path, name, zero_gradient=ZERO_GRADIENT.get(name, ()))
+def test_training_equals_transformers(name, layout, check_layout, tmp_path):
+    metrics = check_layout(TRAIN_LAYOUTS[layout], tmp_path, name, zero_gradient=ZERO_GRADIENT.get(name, ()))
+    assert all(m["num_tokens"] > 0 and m["grad_norm"] > 0 for m in metrics)
+
+
+def test_training_without_q_lora_equals_transformers(check_layout, tmp_path):
+    """DeepSeek-V3 with ``q_lora_rank`` null (a plain q_proj with a bias) under tp/fsdp/ep."""
+    metrics = check_layout(TRAIN_LAYOUTS["tp2-fsdp2-ep2"], tmp_path, DEEPSEEK_QPROJ)
     assert all(m["num_tokens"] > 0 and m["grad_norm"] > 0 for m in metrics)
 
 
