@@ -144,3 +144,41 @@ def test_block_composes_router_and_experts():
     torch.testing.assert_close(
         block(x), _per_token_reference(block.experts, x.reshape(6, 16), ids, weights).view(2, 3, 16)
     )
+
+
+def test_row_moves_are_a_custom_op_with_index_selects_gradient():
+    """``raymoe::gather_rows``: ``index_select`` forward, ``index_add_`` backward (repeated rows add up), and its
+    fake and autograd registrations pass torch's own checks."""
+    from raymoe.models.moe.rows import gather_rows
+
+    x = torch.randn(5, 4, requires_grad=True)
+    index = torch.tensor([3, 0, 3, 4, 1, 3])
+    got = gather_rows(x, index)
+    expected = x.index_select(0, index)
+    assert torch.equal(got, expected)
+    grad = torch.randn(6, 4)
+    (got_grad,) = torch.autograd.grad(got, x, grad)
+    (expected_grad,) = torch.autograd.grad(expected, x, grad)
+    torch.testing.assert_close(got_grad, expected_grad)
+    torch.library.opcheck(gather_rows, (x, index))
+
+
+def test_compiled_experts_keep_the_row_moves_opaque_on_cpu():
+    """Under ``torch.compile`` on CPU the sort's gather and the way back run as ``raymoe::gather_rows`` (inductor
+    would fuse them into a loop vectorised along top-k): two per forward, the same outputs and gradients as eager."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    experts = _experts()
+    hidden = torch.randn(9, 16)
+    ids, weights = _routing(9, 3, 6)
+    eager_x, compiled_x = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    expected = experts(eager_x, ids, weights)
+    expected.sum().backward()
+    backend = AotEagerAndRecordGraphs()
+    got = torch.compile(experts, backend=backend, fullgraph=True)(compiled_x, ids, weights)
+    got.sum().backward()
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(compiled_x.grad, eager_x.grad)
+    forward = str(backend.fw_graphs[0].code)
+    assert forward.count("raymoe.gather_rows") == 2, forward  # the routing weights' 1-D gather stays index_select
+    assert str(backend.bw_graphs[0].code).count("raymoe.scatter_add_rows") == 2

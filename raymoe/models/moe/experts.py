@@ -21,6 +21,7 @@ from raymoe.models.common.lora import expert_factors
 from raymoe.models.common.shard_hints import EXPERT_BATCHED_ATTR, OUTPUT_BIAS_ATTR, SHARD_BLOCK_ATTR
 from raymoe.models.moe.grouped_mm import GemmBackend, grouped_mm
 from raymoe.models.moe.packed import BLOCKS, SCALES, packed_grouped_mm, packed_weights
+from raymoe.models.moe.rows import move_rows
 
 
 class GroupedExperts(nn.Module):
@@ -72,12 +73,12 @@ class GroupedExperts(nn.Module):
         expert_TK = torch.where(kept_TK, topk_ids_TK, topk_ids_TK.remainder(self.num_experts))
         order_S = torch.argsort(expert_TK.reshape(-1), stable=True)
         counts_E = tokens_per_expert(expert_TK, self.num_experts)
-        out_SH = self.compute(hidden_TH.index_select(0, order_S // top_k), counts_E)
+        out_SH = self.compute(move_rows(hidden_TH, order_S // top_k), counts_E)
         # Zeroed here, where the pair is known to be masked: a weight zeroed upstream would still get the
         # masked expert's output as its gradient.
         out_SH = out_SH * topk_weights_TK.masked_fill(~kept_TK, 0).reshape(-1).index_select(0, order_S).unsqueeze(-1)
         unsort_S = torch.empty_like(order_S).scatter_(0, order_S, torch.arange(order_S.numel(), device=order_S.device))
-        return out_SH.index_select(0, unsort_S).view(num_tokens, top_k, -1).sum(dim=1).to(hidden_TH.dtype)
+        return move_rows(out_SH, unsort_S).view(num_tokens, top_k, -1).sum(dim=1).to(hidden_TH.dtype)
 
     def compute(self, x_SH: Tensor, counts_E: Tensor) -> Tensor:
         """``x: [S, H]`` rows grouped by expert (``counts_E[e]`` rows for expert ``e``, in order) -> ``[S, H]``.
