@@ -1,12 +1,13 @@
 """Moving token rows between token order and expert order (``x[index]``: ``index_select`` forward, ``index_add_``
 backward), kept opaque to ``torch.compile`` on CPU.
 
-Left to inductor's C++ backend, the way back from expert order (``out[unsort]``, then the sum over each token's ``k``
-rows) fuses into one loop that reads rows indirectly and vectorises along ``k`` rather than along the contiguous
-hidden dim, and the sort's gather likewise; a compiled step of the many-small bench shape (64 experts, top-8) ran
-slower than eager (0.88x). As custom ops the moves stay ATen's gather and scatter-add kernels and the compiler fuses
-what lies between them: that step 1.14x as fast compiled (medians of 5 alternating runs, 0.297 s against 0.338 s;
-few-large and dense-heavy within this machine's noise, README "Compiled blocks")."""
+Left to inductor's C++ backend, the way back from expert order (``out[unsort]``, then the sum over each token's
+``k`` rows) fuses into one loop that reads rows indirectly and vectorises along ``k`` rather than along the
+contiguous hidden dim, and the sort's gather likewise; a compiled step of the many-small bench shape (64 experts,
+top-8) ran slower than eager (0.88x). As custom ops the moves stay ATen's gather and scatter-add kernels and the
+compiler fuses what lies between them: that step 1.14x as fast compiled, about level with eager (the median of 5
+alternating runs' best steps, 0.297 s against 0.338 s; few-large and dense-heavy within this machine's noise, README
+"Compiled blocks")."""
 
 from __future__ import annotations
 
