@@ -21,7 +21,7 @@ from raymoe.models.common.lora import expert_factors
 from raymoe.models.common.shard_hints import EXPERT_BATCHED_ATTR, OUTPUT_BIAS_ATTR, SHARD_BLOCK_ATTR
 from raymoe.models.moe.grouped_mm import GemmBackend, grouped_mm
 from raymoe.models.moe.packed import BLOCKS, SCALES, packed_grouped_mm, packed_weights
-from raymoe.models.moe.rows import move_rows
+from raymoe.models.moe.rows import inverse_permutation, move_rows
 
 
 class GroupedExperts(nn.Module):
@@ -63,10 +63,7 @@ class GroupedExperts(nn.Module):
         ``raymoe.parallel.styles.expert``). It still runs, on expert ``id mod E``, so shapes stay static, but
         contributes nothing: weight 0, and no gradient to its routing weight.
 
-        Rows move with ``index_select`` rather than indexing by a tensor: its backward is ``index_add_`` where
-        indexing's is the accumulating ``index_put_``, and on CPU the gather and its backward ran 3-5x as fast
-        (``[8192, 256]`` fp32 rows, 2 threads). The gradient sums the same terms, in an order that may differ;
-        on CUDA ``index_add_`` adds atomically unless ``torch.use_deterministic_algorithms`` is on.
+        Rows move by :func:`~raymoe.models.moe.rows.move_rows` (``index_select``; that module says why).
         """
         num_tokens, top_k = topk_ids_TK.shape
         kept_TK = topk_ids_TK >= 0
@@ -77,8 +74,8 @@ class GroupedExperts(nn.Module):
         # Zeroed here, where the pair is known to be masked: a weight zeroed upstream would still get the
         # masked expert's output as its gradient.
         out_SH = out_SH * topk_weights_TK.masked_fill(~kept_TK, 0).reshape(-1).index_select(0, order_S).unsqueeze(-1)
-        unsort_S = torch.empty_like(order_S).scatter_(0, order_S, torch.arange(order_S.numel(), device=order_S.device))
-        return move_rows(out_SH, unsort_S).view(num_tokens, top_k, -1).sum(dim=1).to(hidden_TH.dtype)
+        out_TKH = move_rows(out_SH, inverse_permutation(order_S)).view(num_tokens, top_k, -1)
+        return out_TKH.sum(dim=1).to(hidden_TH.dtype)
 
     def compute(self, x_SH: Tensor, counts_E: Tensor) -> Tensor:
         """``x: [S, H]`` rows grouped by expert (``counts_E[e]`` rows for expert ``e``, in order) -> ``[S, H]``.

@@ -1,13 +1,18 @@
-"""Moving token rows between token order and expert order (``x[index]``: ``index_select`` forward, ``index_add_``
-backward), kept opaque to ``torch.compile`` on CPU.
+"""Moving token rows between token order and expert order: ``x[index]`` as ``index_select`` (backward
+``index_add_``), and the permutation that undoes a move.
 
-Left to inductor's C++ backend, the way back from expert order (``out[unsort]``, then the sum over each token's
-``k`` rows) fuses into one loop that reads rows indirectly and vectorises along ``k`` rather than along the
-contiguous hidden dim, and the sort's gather likewise; a compiled step of the many-small bench shape (64 experts,
-top-8) ran slower than eager (0.88x). As custom ops the moves stay ATen's gather and scatter-add kernels and the
-compiler fuses what lies between them: that step 1.14x as fast compiled, about level with eager (the median of 5
-alternating runs' best steps, 0.297 s against 0.338 s; few-large and dense-heavy within this machine's noise, README
-"Compiled blocks")."""
+Rows move with ``index_select`` rather than indexing by a tensor: indexing's backward is the accumulating
+``index_put_``, and on CPU ``index_select``'s gather and backward ran 3-5x as fast (``[8192, 256]`` fp32 rows, 2
+threads). The gradient sums the same terms, in an order that may differ; on CUDA ``index_add_`` adds
+atomically unless ``torch.use_deterministic_algorithms`` is on.
+
+Under ``torch.compile`` on CPU the moves are kept opaque. Left to inductor's C++ backend, the way back from expert
+order (``out[unsort]``, then the sum over each token's ``k`` rows) fuses into one loop that reads rows indirectly and
+vectorises along ``k`` rather than along the contiguous hidden dim, and the sort's gather likewise; a compiled step
+of the many-small bench shape (64 experts, top-8) ran slower than eager (0.88x). As custom ops the moves stay ATen's
+gather and scatter-add kernels and the compiler fuses what lies between them: that step 1.14x as fast compiled,
+about level with eager (the median of 5 alternating runs' best steps, 0.297 s against 0.338 s; few-large and
+dense-heavy within this machine's noise, README "Compiled blocks")."""
 
 from __future__ import annotations
 
@@ -24,6 +29,11 @@ def move_rows(x_NH: Tensor, index_S: Tensor) -> Tensor:
         gathered: Tensor = gather_rows(x_NH, index_S)  # the custom op's wrapper is typed Any
         return gathered
     return x_NH.index_select(0, index_S)
+
+
+def inverse_permutation(order: Tensor) -> Tensor:
+    """``inverse[order[i]] = i``: moving rows with it undoes a move with ``order``."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
 
 
 @torch.library.custom_op("raymoe::gather_rows", mutates_args=())

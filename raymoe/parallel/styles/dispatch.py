@@ -39,6 +39,8 @@ from torch import Tensor
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
+from raymoe.models.moe.rows import inverse_permutation, move_rows
+
 
 @dataclass(frozen=True)
 class DispatchMeta:
@@ -83,13 +85,10 @@ def dispatch(
     # The one host sync of the layer: the all-to-all split sizes must be host ints.
     sent, received = torch.stack([counts_PL, recv_counts_PL]).tolist()
     send_splits, recv_splits = tuple(sum(row) for row in sent), tuple(sum(row) for row in received)
-    # rows move by index_select, whose backward is a fast index_add_ (GroupedExperts.forward says why)
-    rows_SH = hidden_TH.index_select(0, pair_order_S[: sum(send_splits)] // top_k)
+    rows_SH = move_rows(hidden_TH, pair_order_S[: sum(send_splits)] // top_k)
     received_RH = all_to_all_single_autograd(rows_SH, list(recv_splits), list(send_splits), ep_mesh.get_group())
     row_order, counts_L = group_by_local_expert(recv_counts_PL, sum(recv_splits))
-    x_GH = torch.cat([received_RH, received_RH.new_zeros(counts_L.numel(), received_RH.shape[1])]).index_select(
-        0, row_order
-    )
+    x_GH = move_rows(torch.cat([received_RH, received_RH.new_zeros(counts_L.numel(), received_RH.shape[1])]), row_order)
     meta = DispatchMeta(num_tokens, top_k, pair_order_S, send_splits, recv_splits, row_order)
     return x_GH, counts_L, meta
 
@@ -99,7 +98,7 @@ def combine(y_GH: Tensor, weights_TK: Tensor, meta: DispatchMeta, ep_mesh: Devic
 
     Each sender weights its pairs by ``weights: [T, K]`` and sums over ``K``: ``-> [T, H]``.
     """
-    y_received_RH = y_GH.index_select(0, inverse_permutation(meta.row_order)[: meta.num_received])
+    y_received_RH = move_rows(y_GH, inverse_permutation(meta.row_order)[: meta.num_received])
     y_sorted_SH = all_to_all_single_autograd(
         y_received_RH, list(meta.send_splits), list(meta.recv_splits), ep_mesh.get_group()
     )
@@ -107,9 +106,8 @@ def combine(y_GH: Tensor, weights_TK: Tensor, meta: DispatchMeta, ep_mesh: Devic
     num_dropped = meta.num_tokens * meta.top_k - meta.num_sent
     if num_dropped:  # dropped pairs sorted last: their rows are zero
         y_sorted_SH = torch.cat([y_sorted_SH, y_sorted_SH.new_zeros(num_dropped, hidden_size)])
-    y_TKH = y_sorted_SH.index_select(0, inverse_permutation(meta.pair_order_S)).view(
-        meta.num_tokens, meta.top_k, hidden_size
-    )
+    y_SH = move_rows(y_sorted_SH, inverse_permutation(meta.pair_order_S))
+    y_TKH = y_SH.view(meta.num_tokens, meta.top_k, hidden_size)
     return (y_TKH * weights_TK.unsqueeze(-1)).sum(dim=1)
 
 
@@ -150,8 +148,3 @@ def group_by_local_expert(recv_counts_PL: Tensor, num_received: int) -> tuple[Te
     expert_of_row = torch.cat([segment_R % local, torch.arange(local, device=device)])
     row_order = torch.argsort(expert_of_row, stable=True)
     return row_order, recv_counts_PL.sum(dim=0) + 1
-
-
-def inverse_permutation(order: Tensor) -> Tensor:
-    """``inverse[order[i]] = i``: gathering with it undoes a gather with ``order``."""
-    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
