@@ -19,6 +19,8 @@ tensor it holds)::
                 context_around_forward                sees the local parameters
                     the module's forward
             transform_output_post_forward             output -> the layout the next module expects
+    shared inputs    a module whose named input consumers are all colwise takes their input boundary
+                     once in its own forward (:mod:`raymoe.parallel.input_boundary`)
 
 The wrapper lives on the instance (``module.forward``), so it runs inside ``module.__call__``,
 after any forward pre-hooks (FSDP2 unsharding), and reads the parameters at call time, so a
@@ -38,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from raymoe.models.common.lora import lora_factors
+from raymoe.parallel.input_boundary import share_input_boundaries
 from raymoe.parallel.styles import ParallelStyle, builtin_styles, check_style_name
 from raymoe.parallel.styles.layouts import local_parameters
 
@@ -75,6 +78,7 @@ def apply_rules(
         _shard(target, lookup(target.style_name), mesh, done)
     for path, (module, style_name) in module_rules.items():
         _wrap_forward(path, module, lookup(style_name), mesh)
+    share_input_boundaries(model, [(module, lookup(name)) for module, name in module_rules.values()], mesh)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from raymoe.models.common.norm import RMSNorm
 from raymoe.models.common.rope import apply_rope
 from raymoe.models.common.row_attention import AttentionRule, attend_rows
 from raymoe.models.common.sequence_split import TokenLayout
-from raymoe.models.common.shard_hints import SHARD_BLOCK_ATTR
+from raymoe.models.common.shard_hints import INPUT_CONSUMERS_ATTR, SHARD_BLOCK_ATTR
 
 
 class Attention(nn.Module):
@@ -48,6 +48,7 @@ class Attention(nn.Module):
         for projection in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
             # Tensor parallelism may split these only into whole heads; styles check it in validate_param.
             setattr(projection, SHARD_BLOCK_ATTR, self.head_dim)
+        setattr(self, INPUT_CONSUMERS_ATTR, ("q_proj", "k_proj", "v_proj"))  # x is theirs alone (forward)
         # Qwen3 normalises each head's query and key before RoPE; Llama does not.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from raymoe.models.common.shard_hints import INPUT_CONSUMERS_ATTR
+
 
 class FeedForward(nn.Module):
     """Hidden ``[..., H]`` -> ``[..., H]`` through an intermediate width ``I``.
@@ -18,6 +20,7 @@ class FeedForward(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        setattr(self, INPUT_CONSUMERS_ATTR, ("gate_proj", "up_proj"))  # x is theirs alone (forward)
 
     def forward(self, x: Tensor) -> Tensor:
         out: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -19,6 +19,9 @@ the parallel styles (:mod:`raymoe.parallel.styles`) read them:
                         every dim but the input features (raymoe.models.common.lora)
     float32_parameters  on a module: names of its parameters held and used in float32 whatever the
                         model's dtype (a router's selection bias, as transformers keeps it)
+    input_consumers     on a module: the names of its children that are the only users of its forward's first
+                        argument (attention: q/k/v projections; a SwiGLU: gate and up), so tensor parallelism may
+                        all-reduce that input's gradient once for all of them (raymoe.parallel.input_boundary)
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ ROPE_DIM_ATTR = "qk_rope_head_dim"
 EXPERT_BATCHED_ATTR = "expert_batched"
 OUTPUT_BIAS_ATTR = "output_bias"
 FLOAT32_ATTR = "float32_parameters"
+INPUT_CONSUMERS_ATTR = "input_consumers"
 LORA_FACTORS_ATTR = "lora_factors"
 LORA_FROZEN_ATTR = "lora_frozen"  # the direct parameters LoRA froze (trainable in full fine-tuning)
 MXFP4_PACKED_ATTR = "mxfp4_packed"  # expert weights held as MXFP4 blocks + scales (raymoe.models.moe.packed)

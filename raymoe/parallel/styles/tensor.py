@@ -22,7 +22,8 @@ the module's own forward on local tensors and changes layouts only at its bounda
     mla_kv_a_proj      (not sharded)                      as is                  -> RoPE part's gradient all-reduced
 
 Gradients follow from the layouts: a Replicate input consumed by a colwise layer gets its
-gradient all-reduced; a replicated parameter that sees only this rank's part of the
+gradient all-reduced (once for all the colwise layers of one input where a model names them,
+:mod:`raymoe.parallel.input_boundary`); a replicated parameter that sees only this rank's part of the
 activations (norms on local heads or local sequence) gets its gradient all-reduced.
 
 A style applied to a parameter it cannot split evenly fails in ``validate_param``, on the driver,
@@ -178,9 +179,20 @@ class ColwiseParallel(ShardingStyle):
     def transform_inputs_pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], mesh: DeviceMesh
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return _map_first(
-            args, kwargs, module, lambda x: redistribute_local(x, mesh, Replicate(), Replicate(), grad=Partial())
-        )
+        if getattr(module, _BOUNDARY_AT_PARENT_ATTR, False):
+            return args, kwargs
+        return _map_first(args, kwargs, module, lambda x: self.input_boundary(x, mesh))
+
+    @staticmethod
+    def input_boundary(x: Tensor, mesh: DeviceMesh) -> Tensor:
+        """``x [.., in]`` Replicate, unchanged; backward: its gradient, partial on each rank, all-reduced."""
+        return redistribute_local(x, mesh, Replicate(), Replicate(), grad=Partial())
+
+    @staticmethod
+    def leave_input_boundary_to_parent(module: nn.Module) -> None:
+        """``module``'s input has passed :meth:`input_boundary` already, in its parent's forward
+        (:mod:`raymoe.parallel.input_boundary`): its forward takes it as it is."""
+        setattr(module, _BOUNDARY_AT_PARENT_ATTR, True)
 
     def transform_output_post_forward(self, module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
         if getattr(module, _KEEP_OUTPUT_SHARDED_ATTR, False):
@@ -203,6 +215,7 @@ class ColwiseParallel(ShardingStyle):
 
 
 _KEEP_OUTPUT_SHARDED_ATTR = "_raymoe_keep_output_sharded"
+_BOUNDARY_AT_PARENT_ATTR = "_raymoe_input_boundary_at_parent"
 
 
 class PackedColwiseParallel(ColwiseParallel):
