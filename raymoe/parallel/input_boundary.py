@@ -34,11 +34,10 @@ _SHARED_ATTR = "_raymoe_input_boundary_shared"
 
 def share_input_boundaries(
     model: nn.Module, styled: Iterable[tuple[nn.Module, ParallelStyle]], mesh: DeviceMesh
-) -> int:
+) -> None:
     """Give each module of ``model`` whose ``input_consumers`` all run ColwiseParallel's input boundary (``styled``:
-    the modules whose forward a style of this ``mesh`` wraps) one boundary in its own forward. Returns how many."""
+    the modules whose forward a style of this ``mesh`` wraps) one boundary in its own forward."""
     style_of = {id(module): style for module, style in styled}
-    shared = 0
     for parent in model.modules():
         children = _colwise_consumers(parent, style_of)
         if not children or getattr(parent, _SHARED_ATTR, False):
@@ -46,8 +45,6 @@ def share_input_boundaries(
         for child in children:
             ColwiseParallel.leave_input_boundary_to_parent(child)
         _wrap_forward(parent, mesh)
-        shared += 1
-    return shared
 
 
 def _colwise_consumers(parent: nn.Module, style_of: dict[int, ParallelStyle]) -> list[nn.Module]:
