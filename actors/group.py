@@ -221,7 +221,9 @@ class RayRankGroup:
         self.topology = topology
 
     def _join(self, options: GroupOptions, backend: Backend) -> None:
-        address, port = self._gather("rendezvous_address", [self._actors[0].rendezvous_address.remote()], [0])[0]
+        address, port = self._gather(
+            "rendezvous_address", [self._actors[0].rendezvous_address.remote(self._world_size)], [0]
+        )[0]
         placement = self._live_placement()
         meeting = [
             Rendezvous(

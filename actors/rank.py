@@ -14,14 +14,14 @@ in a collective: the driver's hang diagnosis (:mod:`actors.hang`). A frozen proc
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import ray
+import torch.distributed as dist
 
-from raymoe.rank.context import RankContext, join_world, leave_world
+from raymoe.rank.context import RankContext, host_world_store, join_world, leave_world
 from raymoe.rank.contract import RankFailure, RankProgress, Rendezvous, WorldBackend
 from raymoe.rank.failure import rank_failure
 from raymoe.rank.progress import CallRecord, progress_report
@@ -40,13 +40,17 @@ class RankActor:
         self._call = CallRecord()
         self._rank = -1
         self._backend: WorldBackend | None = None  # the world's, once joined: which flight recorders progress reads
+        self._store: dist.TCPStore | None = None  # rank 0's, from rendezvous_address until setup joins with it
 
-    def rendezvous_address(self) -> tuple[str, int]:
-        """This node's address and a free port, for rank 0 to host the process-group store."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
-            port = int(sock.getsockname()[1])
-        return ray.util.get_node_ip_address(), port
+    def rendezvous_address(self, world_size: int) -> tuple[str, int] | RankFailure:
+        """Rank 0's: this node's address and the port of the world's store, which this actor now hosts (bound as
+        it starts: :func:`~raymoe.rank.context.host_world_store`) and joins with in ``setup``."""
+        return self._guarded(lambda: self._host_store(world_size))
+
+    def _host_store(self, world_size: int) -> tuple[str, int]:
+        address = ray.util.get_node_ip_address()
+        self._store = host_world_store(address, world_size)
+        return address, self._store.port
 
     def setup(self, rendezvous: Rendezvous) -> RankFailure | None:
         return self._guarded(lambda: self._setup(rendezvous))
@@ -55,8 +59,9 @@ class RankActor:
         self._rank = rendezvous.rank
         self._call.function, self._call.since = "join_world", time.monotonic()
         self._backend = rendezvous.backend  # the driver resolves it (actors.placement.rank_backend)
+        store, self._store = self._store, None
         try:
-            self._ctx = join_world(rendezvous)
+            self._ctx = join_world(rendezvous, store)
             self._backend = self._ctx.backend
         finally:
             self._call.function = None

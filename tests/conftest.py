@@ -33,17 +33,43 @@ if "RAYMOE_CACHE_DIR" not in os.environ:
     os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(_CACHE, "datasets"))
 
 
-def _free_port() -> int:
+_HANDED_OUT: set[int] = set()
+
+
+def listen_port() -> int:
+    """A port for a server a test starts later: free now, and outside the kernel's ephemeral range.
+
+    A port from that range (a bind to port 0, then closed) is free only until the next connection anywhere on the
+    machine takes it as its local end; the server that binds it seconds or minutes later (this session's moto, a
+    Ray head's dashboard, GCS and agent) then fails to start. Outside the range, only a process that names the port
+    takes it. Ray's worker ports (10002-19999 by default) are avoided too.
+    """
+    import secrets
     import socket
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    low, high = (int(part) for part in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    candidates = [port for port in range(20000, 65536) if not low <= port <= high and port not in _HANDED_OUT]
+    for _ in range(200):
+        port = candidates[secrets.randbelow(len(candidates))]
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", port))
+            except OSError:  # someone listens there (or a closed connection's TIME_WAIT holds it)
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port in 20000-65535 outside the ephemeral range {low}-{high} after 200 tries")
+
+
+@pytest.fixture(scope="session")
+def listen_ports() -> Callable[[], int]:
+    """:func:`listen_port`, for test modules (``--import-mode=importlib`` keeps conftest unimportable)."""
+    return listen_port
 
 
 # Storage URLs (s3://) go to a local S3-compatible server (moto) the `s3_bucket` fixture starts on this port; set
 # before any Ray worker starts, so every rank process reaches it too, with the server's test credentials.
-S3_PORT = _free_port()
+S3_PORT = listen_port()
 os.environ.update(
     AWS_ENDPOINT_URL_S3=f"http://127.0.0.1:{S3_PORT}",
     AWS_ACCESS_KEY_ID="testing",

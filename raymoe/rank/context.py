@@ -229,6 +229,8 @@ VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"  # the GPUs this process may use; Ray s
 # actors.hang.diagnosis_deadline_s(collective_timeout_s) (the timeout, one poll, one answer wait: <= timeout + 10 s);
 # NCCL's groups wait this long beyond the collective timeout, so the diagnosis comes first.
 NCCL_TIMEOUT_MARGIN_S = 60.0
+# How long rank 0's store waits for its own connection when it starts (join_world then gives it the world's timeout).
+STORE_CONNECT_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -272,8 +274,28 @@ def backend_timeout_s(backend: WorldBackend, collective_timeout_s: float) -> flo
     return collective_timeout_s + NCCL_TIMEOUT_MARGIN_S if backend == "nccl" else collective_timeout_s
 
 
-def join_world(rendezvous: Rendezvous) -> RankContext:
-    """Set the torch.distributed environment, bind the device and init the process group."""
+def host_world_store(address: str, world_size: int) -> dist.TCPStore:
+    """Rank 0's part of the rendezvous, before the others are told where to meet: the world's key-value store,
+    listening on a port the OS picks as it binds (``.port``), for :func:`join_world`.
+
+    A port found free and bound later is free only until then: any connection made on the node in between may take
+    it as its local end, and the world fails to start. Bound at once, it cannot be taken.
+    """
+    return dist.TCPStore(
+        address, 0, world_size, is_master=True, timeout=timedelta(seconds=STORE_CONNECT_TIMEOUT_S),
+        wait_for_workers=False,
+    )  # fmt: skip
+
+
+def join_world(rendezvous: Rendezvous, store: dist.Store | None = None) -> RankContext:
+    """Set the torch.distributed environment, bind the device and init the process group on the world's store:
+    rank 0 passes the one it hosts (:func:`host_world_store`), every other rank connects to
+    ``master_addr:master_port``."""
+    if (store is not None) != (rendezvous.rank == 0):
+        raise ValueError(
+            f"rank {rendezvous.rank}: rank 0 joins with the store it hosts (host_world_store), every other rank "
+            f"without one; got {'a' if store is not None else 'no'} store"
+        )
     # torch's flight recorders (the generic one and NCCL's): the collectives each group entered and finished, read
     # by raymoe.rank.progress
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)
@@ -289,11 +311,18 @@ def join_world(rendezvous: Rendezvous) -> RankContext:
     )
     if binding.device.type == "cuda":
         torch.cuda.set_device(binding.device)
+    timeout = timedelta(seconds=backend_timeout_s(binding.backend, rendezvous.collective_timeout_s))
+    if store is None:
+        store = dist.TCPStore(
+            rendezvous.master_addr, rendezvous.master_port, rendezvous.world_size, is_master=False, timeout=timeout
+        )
+    store.set_timeout(timeout)
     dist.init_process_group(
         backend=binding.backend,
+        store=store,
         rank=rendezvous.rank,
         world_size=rendezvous.world_size,
-        timeout=timedelta(seconds=backend_timeout_s(binding.backend, rendezvous.collective_timeout_s)),
+        timeout=timeout,
         device_id=binding.device if binding.device.type == "cuda" else None,
     )
     return RankContext(

@@ -44,7 +44,7 @@ class Rendezvous:
     local_rank: int
     world_size: int
     master_addr: str
-    master_port: int
+    master_port: int  # of the store rank 0 already hosts (rank.context.host_world_store): bound before it is told
     backend: Backend | None = None
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
 

@@ -16,13 +16,12 @@ group); the environment variables it sets (``RANK``, ``MASTER_ADDR``, ...) are r
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
-from raymoe.rank.context import RankContext, join_world, leave_world, use_layout
+from raymoe.rank.context import RankContext, host_world_store, join_world, leave_world, use_layout
 from raymoe.rank.contract import DEFAULT_COLLECTIVE_TIMEOUT_S, Backend, Rendezvous
 from raymoe.rank.failure import rank_failure
 from raymoe.spec.shared_paths import SharedPath
@@ -54,8 +53,9 @@ class LocalRankGroup:
         self._backend, self._timeout_s = backend, collective_timeout_s
         self._saved_env = {name: os.environ.get(name) for name in _ENV}
         self.topology: Topology | None = None
+        store = host_world_store("127.0.0.1", 1)
         self._ctx: RankContext | None = join_world(
-            Rendezvous(0, 0, 1, "127.0.0.1", _free_port(), backend, collective_timeout_s)
+            Rendezvous(0, 0, 1, "127.0.0.1", store.port, backend, collective_timeout_s), store
         )
 
     @property
@@ -133,9 +133,3 @@ class LocalRankGroup:
 
     def __repr__(self) -> str:
         return f"LocalRankGroup({'running' if self.is_alive else 'shut down'})"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

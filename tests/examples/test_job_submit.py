@@ -12,14 +12,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from contextlib import closing, contextmanager
+from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -28,12 +28,6 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 JOB_TIMEOUT_S = 240
 STEPS = 4
-
-
-def free_port() -> int:
-    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def generate_token(home: Path) -> str:
@@ -54,40 +48,45 @@ def ray_env(token: str) -> dict[str, str]:
 
 
 @contextmanager
-def ray_head(env: dict[str, str], temp_dir: Path):
-    """A head node with 8 CPUs and a dashboard on 127.0.0.1, started in ``temp_dir``; yields the dashboard URL and
-    the cluster's address."""
-    dashboard, gcs, agent = free_port(), free_port(), free_port()
+def ray_head(env: dict[str, str], temp_dir: Path, listen_port: Callable[[], int]):
+    """A head node with 8 CPUs and a dashboard on 127.0.0.1, started in ``temp_dir`` on ports from
+    ``listen_port`` (conftest's: outside the kernel's ephemeral range, so no connection takes one before the
+    head binds it); yields the dashboard URL and the cluster's address."""
+    dashboard, gcs, agent = listen_port(), listen_port(), listen_port()
     command = [
         BIN / "ray", "start", "--head", "--block", "--disable-usage-stats",
         "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=8",
         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-        f"--dashboard-agent-listen-port={agent}", f"--ray-client-server-port={free_port()}",
+        f"--dashboard-agent-listen-port={agent}", f"--ray-client-server-port={listen_port()}",
         f"--temp-dir={temp_dir}",
     ]  # fmt: skip
-    log = (temp_dir.parent / "ray-start.log").open("w")
+    log_path = temp_dir.parent / "ray-start.log"
+    log = log_path.open("w")
     head = subprocess.Popen(
         command, env=env, cwd=temp_dir.parent, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
     try:
         url = f"http://127.0.0.1:{dashboard}"
-        wait_for_dashboard(url, f"http://127.0.0.1:{agent}", env["RAY_AUTH_TOKEN"], head)
+        wait_for_dashboard(url, f"http://127.0.0.1:{agent}", env["RAY_AUTH_TOKEN"], head, log_path)
         yield url, f"127.0.0.1:{gcs}"
     finally:
         stop_head(head)
         log.close()
 
 
-def wait_for_dashboard(url: str, agent_url: str, token: str, head: subprocess.Popen, timeout_s: float = 90) -> None:
+def wait_for_dashboard(
+    url: str, agent_url: str, token: str, head: subprocess.Popen, log: Path, timeout_s: float = 90
+) -> None:
     """Until the dashboard answers the Jobs API and the head node's dashboard agent (which runs the jobs) answers its
     health check. The dashboard comes up first; a job submitted before the agent is up waits for it only 10 s
     (Ray's ``WAIT_AVAILABLE_AGENT_TIMEOUT``), which a loaded machine can exceed. The agent registers its address
-    right after its HTTP server starts, so once it answers, a submission finds it."""
+    right after its HTTP server starts, so once it answers, a submission finds it. Either failure shows the end of
+    ``log`` (what `ray start` printed) and of the head's component logs that mention an error."""
     deadline = time.monotonic() + timeout_s
     pending = [f"{url}/api/jobs/", f"{agent_url}/api/healthz"]
     while time.monotonic() < deadline:
         if head.poll() is not None:
-            raise RuntimeError(f"ray start exited with {head.returncode}")
+            raise RuntimeError(f"ray start exited with {head.returncode}:\n{head_logs(log)}")
         try:
             while pending and get(pending[0], token) == 200:
                 pending.pop(0)
@@ -96,7 +95,21 @@ def wait_for_dashboard(url: str, agent_url: str, token: str, head: subprocess.Po
         except (urllib.error.URLError, ConnectionError):
             pass
         time.sleep(1)
-    raise TimeoutError(f"{pending[0]} (the Ray head's dashboard or its agent) did not answer within {timeout_s}s")
+    raise TimeoutError(
+        f"{pending[0]} (the Ray head's dashboard or its agent) did not answer within {timeout_s}s:\n{head_logs(log)}"
+    )
+
+
+def head_logs(log: Path, lines: int = 40) -> str:
+    """The last ``lines`` of `ray start`'s output and of every component log under the head's temp dir (beside
+    ``log``) that mentions an error: a test that cannot start its head says why."""
+    parts = [(log, log.read_text(errors="replace"))]
+    for path in sorted((log.parent / "ray").glob("session_*/logs/*")):
+        if path.is_file() and "session_latest" not in path.parts:
+            text = path.read_text(errors="replace")
+            if "Error" in text or "error" in text:
+                parts.append((path, text))
+    return "\n".join(f"--- {path.name}:\n" + "\n".join(text.splitlines()[-lines:]) for path, text in parts)
 
 
 def stop_head(head: subprocess.Popen) -> None:
@@ -149,12 +162,15 @@ def wait_for_job(url: str, token: str, job_id: str) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def head(tmp_path_factory):
+def head(tmp_path_factory, listen_ports):
     """``(dashboard url, cluster address, env)`` of a head shared by this module's tests."""
     home = tmp_path_factory.mktemp("home")
     env = ray_env(generate_token(home))
     # A short temp dir: Ray's unix sockets live under it and their paths must stay under 108 bytes.
-    with tempfile.TemporaryDirectory(prefix="rmj") as temp_dir, ray_head(env, Path(temp_dir) / "ray") as (url, address):
+    with (
+        tempfile.TemporaryDirectory(prefix="rmj") as temp_dir,
+        ray_head(env, Path(temp_dir) / "ray", listen_ports) as (url, address),
+    ):
         yield url, address, env
 
 

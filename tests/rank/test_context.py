@@ -1,7 +1,9 @@
 """The rank context's process groups: the world group and every sub-mesh group carry the configured timeout; the device
 a rank binds (pure: the GPU branches run without a GPU); one process-group options object per mesh dimension."""
 
+import socket
 import sys
+from datetime import timedelta
 
 import pytest
 import torch
@@ -15,8 +17,11 @@ from raymoe.rank.context import (
     backend_timeout_s,
     choose_binding,
     group_timeout_s,
+    host_world_store,
+    join_world,
     mesh_backend_overrides,
 )
+from raymoe.rank.contract import Rendezvous
 from raymoe.rank.local import LocalRankGroup
 from raymoe.spec.topology import Axis
 
@@ -128,6 +133,28 @@ def test_a_local_gloo_world_gives_every_sub_mesh_group_the_timeout_through_its_o
         group.shutdown()
     assert set(seen) == {"world", "dp_replicate", "pp", "fsdp", "cp", "tp", "efsdp", "ep"}
     assert set(seen.values()) == {77.0}, seen
+
+
+# --- the rendezvous: rank 0's store is listening before any rank is told its port ----------------------------------
+
+
+def test_rank_zero_hosts_the_world_store_on_a_port_already_bound():
+    """The port the driver hands every rank is held from the moment it is known: nothing else can bind it, and a
+    rank connecting to it finds the store (a port found free and bound later could be taken in between)."""
+    store = host_world_store("127.0.0.1", 2)
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", store.port))
+    peer = dist.TCPStore("127.0.0.1", store.port, 2, is_master=False, timeout=timedelta(seconds=30))
+    peer.set("hello", "from rank 1")
+    assert store.get("hello") == b"from rank 1"
+
+
+@pytest.mark.parametrize(("rank", "hosted"), [(0, False), (1, True)])
+def test_only_rank_zero_joins_with_the_store_it_hosts(rank, hosted):
+    store = host_world_store("127.0.0.1", 2) if hosted else None
+    with pytest.raises(ValueError, match=f"rank {rank}: rank 0 joins with the store it hosts"):
+        join_world(Rendezvous(rank, rank, 2, "127.0.0.1", 1, "gloo", 30.0), store)
+    assert not dist.is_initialized()
 
 
 # --- process groups by rank set: a world regrouped for many layouts makes each rank set's group once ----------------
