@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Client, Connection, Listener, wait
 from pathlib import Path
 from typing import Any
@@ -244,6 +244,28 @@ class Rank:
             assert twin.grad is not None, f"{name}: no gradient on the sharded parameter"
             grad = twin.grad.full_tensor() if isinstance(twin.grad, DTensor) else twin.grad
             self.expect_close_rel(f"grad {name}", grad, param.grad)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def dispatched_ops() -> Iterator[list[Any]]:
+        """Every op torch dispatches inside the block, in order (``OpOverload``s: ``op.name()`` is e.g.
+        ``"c10d::allreduce_"``, ``op.overloadpacket.__name__`` ``"allreduce_"``)."""
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        seen: list[Any] = []
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                seen.append(func)
+                return func(*args, **(kwargs or {}))
+
+        with Record():
+            yield seen
+
+    @staticmethod
+    def collectives(ops: list[Any]) -> list[str]:
+        """The names of the collectives among ``ops`` (:meth:`dispatched_ops`), waits left out."""
+        return [op.name() for op in ops if "c10d" in op.name() and "wait" not in op.name()]
 
     def _expect(self, what: str, got: Any, want: Any, *, relative: bool, tolerance: float) -> float:
         if tuple(got.shape) != tuple(want.shape):

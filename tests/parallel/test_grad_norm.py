@@ -49,27 +49,16 @@ def gradients_on_every_mesh(ctx) -> tuple[list[nn.Parameter], list[torch.Tensor]
 
 def check_one_all_reduce_gives_the_norm_of_the_full_gradients(rank, layout):
     import torch.distributed as dist
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from raymoe.parallel.grad_norm import grad_norm
     from raymoe.spec.topology import Axis
 
-    class Collectives(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if "c10d" in str(func) and "wait" not in str(func):
-                self.names.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     ctx = rank.context(**layout)
     params, full = gradients_on_every_mesh(ctx)
     stages = ctx.topology.axis_size(Axis.PP)
-    with Collectives() as counted:
+    with rank.dispatched_ops() as ops:
         norm = grad_norm(params, ctx.topology.world_size // stages)
-    assert counted.names == ["c10d.allreduce_.default"], counted.names
+    assert rank.collectives(ops) == ["c10d::allreduce_"], rank.collectives(ops)
     # every stage's full gradients, drawn here as each stage drew its own
     squares = torch.zeros((), dtype=torch.float64)
     for stage in range(stages):

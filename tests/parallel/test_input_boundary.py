@@ -52,17 +52,8 @@ BUILD = {"qkv": (attention, ATTENTION_RULES | QK_NORM_RULES), "swiglu": (feed_fo
 
 def check_one_boundary(rank, module, own_style, want_backward_all_reduces):
     import torch.distributed as dist
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from raymoe.parallel.styles import builtin_styles
-
-    class AllReduces(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.name().startswith("c10d::allreduce_") or func.name().startswith("_c10d_functional::all_reduce"):
-                self.count += 1
-            return func(*args, **(kwargs or {}))
 
     build, rules = BUILD[module]
     torch.manual_seed(0)
@@ -82,13 +73,14 @@ def check_one_boundary(rank, module, own_style, want_backward_all_reduces):
     rank.expect_close("output", got, want)
     probe = torch.randn(want.shape, generator=torch.Generator().manual_seed(2))
     (want * probe).sum().backward()
-    counter = AllReduces()
-    with counter:
+    with rank.dispatched_ops() as ops:
         (got * probe).sum().backward()
     dist.barrier()
     rank.expect_close_rel("input grad", sharded_x.grad, full_x.grad)
     rank.expect_same_grads(sharded, full)
-    assert counter.count == want_backward_all_reduces, (counter.count, want_backward_all_reduces)
+    collectives = rank.collectives(ops)
+    all_reduces = sum(name in ("c10d::allreduce_", "_c10d_functional::all_reduce") for name in collectives)
+    assert all_reduces == want_backward_all_reduces, (collectives, want_backward_all_reduces)
 
 
 @pytest.mark.parametrize(("module", "consumers", "others"), [("qkv", 3, 2), ("swiglu", 2, 0)], ids=["qkv", "swiglu"])

@@ -424,17 +424,6 @@ HOST_SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_
 def check_dispatch_reads_no_device_value_but_the_split_sizes(rank):
     """The split sizes' ``.tolist()`` is the layer's one host sync (it bypasses the dispatcher on CPU);
     no other op of the forward or backward may read a device value to the host."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.add(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     from raymoe.parallel.apply import apply_rules
 
     ctx = rank.context(fsdp_size=2, ep_size=2)
@@ -442,10 +431,11 @@ def check_dispatch_reads_no_device_value_but_the_split_sizes(rank):
     apply_rules(block, DISPATCH_RULES, ctx.mesh("ep"), registry_for(ctx))
     x = batches((5, 3), 2)[0][ctx.coords.batch].requires_grad_()
     hidden, ids, weights = x, *block.gate(x)[:2]
-    with Ops() as ops:
+    with rank.dispatched_ops() as ops:
         block.experts(hidden, ids, weights).sum().backward()
-    assert "_grouped_mm" in ops.names and "all_to_all_single" in ops.names, sorted(ops.names)  # it saw the layer
-    assert not ops.names & HOST_SYNC_OPS, sorted(ops.names & HOST_SYNC_OPS)
+    names = {op.overloadpacket.__name__ for op in ops}
+    assert "_grouped_mm" in names and "all_to_all_single" in names, sorted(names)  # it saw the layer
+    assert not names & HOST_SYNC_OPS, sorted(names & HOST_SYNC_OPS)
 
 
 def test_dispatch_reads_no_device_value_but_the_split_sizes(tp2):
