@@ -47,7 +47,9 @@ def listen_port() -> int:
     import secrets
     import socket
 
-    low, high = (int(part) for part in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    linux_range = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    # elsewhere (macOS, BSD) the kernel hands out IANA's dynamic range
+    low, high = (int(part) for part in linux_range.read_text().split()) if linux_range.exists() else (49152, 65535)
     candidates = [port for port in range(20000, 65536) if not low <= port <= high and port not in _HANDED_OUT]
     for _ in range(200):
         port = candidates[secrets.randbelow(len(candidates))]
