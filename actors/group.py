@@ -222,7 +222,7 @@ class RayRankGroup:
 
     def _join(self, options: GroupOptions, backend: Backend) -> None:
         address, port = self._gather(
-            "rendezvous_address", [self._actors[0].rendezvous_address.remote(self._world_size)], [0]
+            "host_rendezvous", [self._actors[0].host_rendezvous.remote(self._world_size)], [0]
         )[0]
         placement = self._live_placement()
         meeting = [

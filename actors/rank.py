@@ -40,11 +40,11 @@ class RankActor:
         self._call = CallRecord()
         self._rank = -1
         self._backend: WorldBackend | None = None  # the world's, once joined: which flight recorders progress reads
-        self._store: dist.TCPStore | None = None  # rank 0's, from rendezvous_address until setup joins with it
+        self._store: dist.TCPStore | None = None  # rank 0's, from host_rendezvous until setup joins with it
 
-    def rendezvous_address(self, world_size: int) -> tuple[str, int] | RankFailure:
-        """Rank 0's: this node's address and the port of the world's store, which this actor now hosts (bound as
-        it starts: :func:`~raymoe.rank.context.host_world_store`) and joins with in ``setup``."""
+    def host_rendezvous(self, world_size: int) -> tuple[str, int] | RankFailure:
+        """Rank 0's: host the world's store (bound as it starts: :func:`~raymoe.rank.context.host_world_store`),
+        joined with in ``setup``; this node's address and the store's port, for every rank's ``Rendezvous``."""
         return self._guarded(lambda: self._host_store(world_size))
 
     def _host_store(self, world_size: int) -> tuple[str, int]:
