@@ -7,8 +7,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test test-fast coverage compiled demo lint format install clean
 
+# Two pytest sessions side by side: the Ray tests (marker `ray`: one local Ray and its shared worlds, in order) and the
+# rest of the suite, which alone leaves most of 2 cores idle (one test process, Python-bound). Each session picks
+# its servers' ports from its own half (RAYMOE_TEST_PORTS); the rest's report follows the Ray tests' one.
 test: lint compiled
-	$(BIN)/pytest
+	@RAYMOE_TEST_PORTS=1/2 $(BIN)/pytest -m "not ray" > .pytest-rest.log 2>&1 & rest=$$!; \
+	RAYMOE_TEST_PORTS=0/2 $(BIN)/pytest -m ray; ray_tests=$$?; \
+	wait $$rest; rest=$$?; \
+	echo "=== the rest of the suite (pytest -m 'not ray', run beside the Ray tests) ==="; cat .pytest-rest.log; \
+	test $$ray_tests -eq 0 -a $$rest -eq 0
 
 # Bytecode for this checkout too: every rank process imports raymoe, actors and (the gloo harness) test files.
 compiled: $(STAMP)

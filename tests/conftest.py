@@ -53,6 +53,9 @@ def listen_port() -> int:
     candidates = [port for port in range(20000, 65536) if not low <= port <= high and port not in _HANDED_OUT]
     if not candidates:  # a kernel that hands out every port above 20000: the window stays, the tests still run
         candidates = [port for port in range(20000, 65536) if port not in _HANDED_OUT]
+    # sessions run side by side (make test) choose from their own residue classes: two never hand out one port
+    share, sessions = (int(part) for part in os.environ.get("RAYMOE_TEST_PORTS", "0/1").split("/"))
+    candidates = [port for port in candidates if port % sessions == share]
     for _ in range(200):
         port = candidates[secrets.randbelow(len(candidates))]
         with socket.socket() as probe:
@@ -91,7 +94,8 @@ WORLD_CPUS_PER_RANK = 0.25  # the shared worlds' 15 ranks hold 3.75 logical CPUs
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test that uses Ray is marked ``ray`` (``make test-fast`` deselects them)."""
+    """Every test that uses Ray is marked ``ray`` (``make test-fast`` deselects them; ``make test`` runs them and the
+    rest of the suite as two pytest sessions side by side)."""
     for item in items:
         if {"ray_session", "world"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ray)

@@ -96,8 +96,10 @@ def all_reduce_until_killed(ctx, victim: int, at: int, how: str) -> int:
 
 @pytest.fixture
 def busy_cores():
-    """Two busy processes, one per core of a 2-core CI machine: the ranks and Ray compete for the CPU."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    """Two busy processes, one per core of a 2-core CI machine: the ranks and Ray compete for the CPU. Each stops
+    by itself once its parent is gone (a pytest killed mid-test leaves no busy core behind)."""
+    spin = f"import os\nwhile os.getppid() == {os.getpid()}:\n    for _ in range(10**6): pass"
+    hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
     yield
     for hog in hogs:
         hog.kill()
