@@ -9,9 +9,11 @@ STAMP := $(VENV)/.installed
 
 # Two pytest sessions side by side: the Ray tests (marker `ray`: one local Ray and its shared worlds, in order) and the
 # rest of the suite, which alone leaves most of 2 cores idle (one test process, Python-bound). Each session picks
-# its servers' ports from its own half (RAYMOE_TEST_PORTS); the rest's report follows the Ray tests' one.
+# its servers' ports from its own half (RAYMOE_TEST_PORTS); the rest's report follows the Ray tests' one. Ctrl-C ends
+# both (a shell's background job ignores SIGINT, so the trap sends it SIGTERM).
 test: lint compiled
 	@RAYMOE_TEST_PORTS=1/2 $(BIN)/pytest -m "not ray" > .pytest-rest.log 2>&1 & rest=$$!; \
+	trap 'kill $$rest 2>/dev/null' INT TERM; \
 	RAYMOE_TEST_PORTS=0/2 $(BIN)/pytest -m ray; ray_tests=$$?; \
 	wait $$rest; rest=$$?; \
 	echo "=== the rest of the suite (pytest -m 'not ray', run beside the Ray tests) ==="; cat .pytest-rest.log; \
