@@ -15,9 +15,9 @@ test: lint compiled
 	@RAYMOE_TEST_PORTS=1/2 $(BIN)/pytest -m "not ray" > .pytest-rest.log 2>&1 & rest=$$!; \
 	trap 'kill $$rest 2>/dev/null' INT TERM; \
 	RAYMOE_TEST_PORTS=0/2 $(BIN)/pytest -m ray; ray_tests=$$?; \
-	wait $$rest; rest=$$?; \
+	wait $$rest; rest_tests=$$?; trap - INT TERM; \
 	echo "=== the rest of the suite (pytest -m 'not ray', run beside the Ray tests) ==="; cat .pytest-rest.log; \
-	test $$ray_tests -eq 0 -a $$rest -eq 0
+	test $$ray_tests -eq 0 -a $$rest_tests -eq 0
 
 # Bytecode for this checkout too: every rank process imports raymoe, actors and (the gloo harness) test files.
 compiled: $(STAMP)
