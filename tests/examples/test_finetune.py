@@ -39,10 +39,14 @@ def rank_actors_alive(ray) -> set:
 
 
 @pytest.mark.slow
-def test_embedded_default_loss_falls_and_artefacts_exist(ray_session, finetune, tmp_path, capsys):
+def test_embedded_default_loss_falls_and_artefacts_exist(ray_session, world, finetune, tmp_path, capsys):
+    """The run ``python examples/finetune.py`` makes, on the session's world of 4 (starting and freeing a world of its
+    own is the subject of the SIGINT test below and of tests/examples/test_job_submit.py)."""
+    ranks = world(4)
     before = rank_actors_alive(ray_session)
     out = tmp_path / "run"
-    assert finetune.main(["--steps", "16", "--eval-every", "8", "--output-dir", str(out), "--no-progress"]) == 0
+    argv = ["--steps", "16", "--eval-every", "8", "--output-dir", str(out), "--no-progress"]
+    assert finetune.main(argv, ranks) == 0
     printed = capsys.readouterr().out
     assert "layout {'tp_size': 2, 'fsdp_size': 2, 'ep_size': 2}" in printed and "ep_size=2   E0-3   E4-7" in printed
     assert f"checkpoint  {out / 'checkpoint'}" in printed and f"plot  {out / 'metrics.png'}" in printed
@@ -59,7 +63,7 @@ def test_embedded_default_loss_falls_and_artefacts_exist(ray_session, finetune, 
     # the embedded model trains with the per-layer aux loss: its part is in the loss, the telemetry in the records
     assert all(r["loss"] > r["lm_loss"] and r["aux_loss"] > 0 for r in steps)
     assert all(len(r["expert_load"]) == 2 and r["dropped_pairs"] == 0 for r in steps)
-    assert rank_actors_alive(ray_session) == before
+    assert rank_actors_alive(ray_session) == before  # the world's ranks live on, and nothing else does
 
 
 @pytest.mark.slow

@@ -156,9 +156,30 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return (torch.linalg.vector_norm(actual - expected) / torch.linalg.vector_norm(expected).clamp_min(1e-12)).item()
 
 
+@pytest.fixture(scope="session")
+def layout_reference(
+    load_hf_model, reference_training, padded_batches
+) -> Callable[[Path, int], tuple[list[tuple[Any, Any]], list[float], list[float], Any]]:
+    """``layout_reference(directory, seq)`` -> ``(batches, losses, gradient norms, trained model)``: transformers'
+    run that every layout check of that checkpoint and sequence length compares with, computed once per session
+    (it is the same run for every layout; the callers only read it)."""
+    runs: dict[tuple[Path, int], tuple[list[tuple[Any, Any]], list[float], list[float], Any]] = {}
+
+    def get(directory: Path, seq: int) -> tuple[list[tuple[Any, Any]], list[float], list[float], Any]:
+        key = (Path(directory).resolve(), seq)
+        if key not in runs:
+            hf_model = load_hf_model(directory)
+            data = padded_batches(hf_model.config.vocab_size, steps=STEPS, rows=ROWS, seq=seq)
+            runs[key] = (data, *reference_training(hf_model, data, LR, WEIGHT_DECAY))
+        data, losses, norms, trained = runs[key]
+        return [(ids.clone(), mask.clone()) for ids, mask in data], losses, norms, trained
+
+    return get
+
+
 @pytest.fixture
 def check_layout(
-    load_on_world, tiny_checkpoint, load_hf_model, reference_training, padded_batches
+    load_on_world, tiny_checkpoint, load_hf_model, layout_reference
 ) -> Callable[..., list[dict[str, Any]]]:
     """``check_layout(config, tmp_path, checkpoint=name or directory, micro_batches=1, zero_gradient=(), seq=10,
     **from_pretrained options)`` -> the step metrics.
@@ -183,9 +204,7 @@ def check_layout(
         **load_options: Any,
     ) -> list[dict[str, Any]]:
         directory = tiny_checkpoint(checkpoint) if isinstance(checkpoint, str) else checkpoint
-        hf_model = load_hf_model(directory)
-        data = padded_batches(hf_model.config.vocab_size, steps=STEPS, rows=ROWS, seq=seq)
-        ref_losses, ref_norms, ref_model = reference_training(hf_model, data, LR, WEIGHT_DECAY)
+        data, ref_losses, ref_norms, ref_model = layout_reference(directory, seq)
         with load_on_world(directory, config, **load_options) as model:
             model.configure_training(lr=LR, weight_decay=WEIGHT_DECAY, betas=TORCH_BETAS, max_grad_norm=None)
             graphs_before = model.run_on_ranks(dynamo_graphs)
