@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 .PHONY: test test-fast coverage compiled demo lint format install clean
 
 # Two pytest sessions side by side: the Ray tests (marker `ray`: one local Ray and its shared worlds, in order) and the
-# rest of the suite, which alone leaves most of 2 cores idle (one test process, Python-bound). Each session picks
+# rest of the suite, which alone keeps 2 cores only partly busy (one test process, Python-bound). Each session picks
 # its servers' ports from its own half (RAYMOE_TEST_PORTS); the rest's report follows the Ray tests' one. Ctrl-C ends
 # both (a shell's background job ignores SIGINT, so the trap sends it SIGTERM).
 test: lint compiled

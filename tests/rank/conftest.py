@@ -156,16 +156,18 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return (torch.linalg.vector_norm(actual - expected) / torch.linalg.vector_norm(expected).clamp_min(1e-12)).item()
 
 
+# transformers' run a layout check compares with: (batches, losses, gradient norms, trained model)
+Reference = tuple[list[tuple[Any, Any]], list[float], list[float], Any]
+
+
 @pytest.fixture(scope="session")
-def layout_reference(
-    load_hf_model, reference_training, padded_batches
-) -> Callable[[Path, int], tuple[list[tuple[Any, Any]], list[float], list[float], Any]]:
+def layout_reference(load_hf_model, reference_training, padded_batches) -> Callable[[Path, int], Reference]:
     """``layout_reference(directory, seq)`` -> ``(batches, losses, gradient norms, trained model)``: transformers'
     run that every layout check of that checkpoint and sequence length compares with, computed once per session
     (it is the same run for every layout; the callers only read it)."""
-    runs: dict[tuple[Path, int], tuple[list[tuple[Any, Any]], list[float], list[float], Any]] = {}
+    runs: dict[tuple[Path, int], Reference] = {}
 
-    def get(directory: Path, seq: int) -> tuple[list[tuple[Any, Any]], list[float], list[float], Any]:
+    def get(directory: Path, seq: int) -> Reference:
         key = (Path(directory).resolve(), seq)
         if key not in runs:
             hf_model = load_hf_model(directory)
