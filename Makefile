@@ -8,11 +8,13 @@ STAMP := $(VENV)/.installed
 .PHONY: test test-fast coverage compiled demo lint format install clean
 
 # Two pytest sessions side by side: the Ray tests (marker `ray`: one local Ray and its shared worlds, in order) and the
-# rest of the suite, which alone keeps 2 cores only partly busy (one test process, Python-bound). Each session picks
-# its servers' ports from its own half (RAYMOE_TEST_PORTS); the rest's report follows the Ray tests' one. Ctrl-C ends
-# both (a shell's background job ignores SIGINT, so the trap sends it SIGTERM).
+# rest of the suite, which alone keeps 2 cores only partly busy (one test process, Python-bound). The rest runs at
+# niceness 10: it takes the cores when the Ray tests leave them idle (a rank process starting, a test waiting for a
+# timeout) rather than slowing the Ray tests, the longer part. Each session picks its servers' ports from its own
+# half (RAYMOE_TEST_PORTS); the rest's report follows the Ray tests' one. Ctrl-C ends both (a shell's background job
+# ignores SIGINT, so the trap sends it SIGTERM; nice execs pytest, so $! is pytest's pid).
 test: lint compiled
-	@RAYMOE_TEST_PORTS=1/2 $(BIN)/pytest -m "not ray" > .pytest-rest.log 2>&1 & rest=$$!; \
+	@RAYMOE_TEST_PORTS=1/2 nice -n 10 $(BIN)/pytest -m "not ray" > .pytest-rest.log 2>&1 & rest=$$!; \
 	trap 'kill $$rest 2>/dev/null' INT TERM; \
 	RAYMOE_TEST_PORTS=0/2 $(BIN)/pytest -m ray; ray_tests=$$?; \
 	wait $$rest; rest_tests=$$?; trap - INT TERM; \
