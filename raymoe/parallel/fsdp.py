@@ -36,6 +36,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
 from raymoe.models.common.decoder import CausalLM
+from raymoe.parallel.reduce_scatter import reduce_scatter_by_all_to_all
 
 RESHARD_AFTER_FORWARD = {"free_full_weight": True, "keep_full_weight": False}
 
@@ -57,6 +58,8 @@ class FsdpUnits:
     float32_modules: Sequence[str] = ()
     compute_dtype: torch.dtype | None = None
     cpu_offload: bool = False
+    # gloo on CPU: gradients reduce-scatter as one all-to-all and a local sum (raymoe.parallel.reduce_scatter)
+    reduce_scatter_by_all_to_all: bool = False
 
 
 def apply_fsdp(model: nn.Module, units: FsdpUnits, device: torch.device) -> None:
@@ -108,6 +111,8 @@ def apply_fsdp(model: nn.Module, units: FsdpUnits, device: torch.device) -> None
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+    if units.reduce_scatter_by_all_to_all:
+        reduce_scatter_by_all_to_all(model)
 
 
 def gathered_bytes(model: nn.Module) -> int:

@@ -197,6 +197,7 @@ def shard_on_meta(
             float32_modules=tuple(float32_modules(model)),
             compute_dtype=policy.compute if policy is not None and policy.mixed else None,
             cpu_offload=config.fsdp_cpu_offload,
+            reduce_scatter_by_all_to_all=ctx.backend == "gloo" and ctx.device.type == "cpu",
         )
         apply_fsdp(model, units, ctx.device)
 
