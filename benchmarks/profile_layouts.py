@@ -1,6 +1,7 @@
 """Where a raymoe training step spends its time, per rank: torch's profiler around a few steps of one layout.
 
     .venv/bin/python benchmarks/profile_layouts.py --layout fsdp2-ep2 [--steps 3] [--out /tmp/prof]
+    .venv/bin/python benchmarks/profile_layouts.py --layout tp2-ep2 --compile   # compiled decoder blocks
     .venv/bin/python benchmarks/profile_layouts.py --layout one-process
 
 Each rank profiles its own process (CPU activities, and CUDA on a GPU) between two calls the driver makes
@@ -51,7 +52,7 @@ def profile_raymoe(directory: Path, layout: dict[str, Any], data: list[torch.Ten
 
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=max(2, world_of(layout)), include_dashboard=False, log_to_driver=False)
-    with raymoe.from_pretrained(directory, distributed_config=layout) as model:
+    with raymoe.from_pretrained(directory, distributed_config=layout, compile=args.compile) as model:
         model.configure_training(lr=1e-4, max_grad_norm=None)
         for ids in data[: args.warmup]:
             model.train_step(ids)
@@ -97,6 +98,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--out", default=None, help="folder for every rank's Chrome trace")
+    parser.add_argument("--compile", action="store_true", help="the ranks compile their decoder blocks (on Ray)")
     args = parser.parse_args()
     shape = shape_args(args.shape)
     if args.out:
