@@ -7,7 +7,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test test-fast coverage compiled demo lint format install clean
 
-# Two pytest sessions side by side: the Ray tests (marker `ray`: one local Ray and its shared worlds, in order) and the
+# Two pytest sessions side by side: the Ray tests (marker `ray`: one local Ray and its shared worlds, in order; also the
+# tests that start a Ray instance of their own, one start at a time and not at niceness 10) and the
 # rest of the suite, which alone keeps 2 cores only partly busy (one test process, Python-bound). The rest runs at
 # niceness 10: it takes the cores when the Ray tests leave them idle (a rank process starting, a test waiting for a
 # timeout) rather than slowing the Ray tests, the longer part. Each session picks its servers' ports from its own
