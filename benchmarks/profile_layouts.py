@@ -52,7 +52,8 @@ def profile_raymoe(directory: Path, layout: dict[str, Any], data: list[torch.Ten
 
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=max(2, world_of(layout)), include_dashboard=False, log_to_driver=False)
-    with raymoe.from_pretrained(directory, distributed_config=layout, compile=args.compile) as model:
+    # --compile: compiled on any device; without it, the default (compiled on CUDA, eager on CPU)
+    with raymoe.from_pretrained(directory, distributed_config=layout, compile=True if args.compile else None) as model:
         model.configure_training(lr=1e-4, max_grad_norm=None)
         for ids in data[: args.warmup]:
             model.train_step(ids)
@@ -98,7 +99,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--out", default=None, help="folder for every rank's Chrome trace")
-    parser.add_argument("--compile", action="store_true", help="the ranks compile their decoder blocks (on Ray)")
+    parser.add_argument("--compile", action="store_true", help="the ranks compile their decoder blocks, on CPU too")
     args = parser.parse_args()
     shape = shape_args(args.shape)
     if args.out:
