@@ -36,7 +36,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
 from raymoe.models.common.decoder import CausalLM
-from raymoe.parallel.reduce_scatter import reduce_scatter_by_all_to_all
+from raymoe.parallel.reduce_scatter import AllToAllReduceScatter
 
 RESHARD_AFTER_FORWARD = {"free_full_weight": True, "keep_full_weight": False}
 
@@ -107,12 +107,13 @@ def apply_fsdp(model: nn.Module, units: FsdpUnits, device: torch.device) -> None
             offload_policy=offload_policy,
         )
     shard(model, dense_mesh)
+    reduce_scatter = AllToAllReduceScatter() if units.reduce_scatter_by_all_to_all else None
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
-    if units.reduce_scatter_by_all_to_all:
-        reduce_scatter_by_all_to_all(model)
+            if reduce_scatter is not None:
+                module.set_custom_reduce_scatter(reduce_scatter)
 
 
 def gathered_bytes(model: nn.Module) -> int:

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 
@@ -52,11 +51,3 @@ class AllToAllReduceScatter(ReduceScatter):
         dist.all_to_all_single(received, input_tensor, group=group)
         torch.sum(received.view(ranks, -1), dim=0, out=output_tensor)
         return None
-
-
-def reduce_scatter_by_all_to_all(model: torch.nn.Module) -> None:
-    """Every FSDP2 unit of ``model`` reduce-scatters its gradients with :class:`AllToAllReduceScatter`."""
-    comm = AllToAllReduceScatter()
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_custom_reduce_scatter(comm)

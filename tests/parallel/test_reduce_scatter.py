@@ -69,7 +69,7 @@ def check_fsdp2_gradients_through_the_all_to_all(rank, layout, dim):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from raymoe.parallel.reduce_scatter import reduce_scatter_by_all_to_all
+    from raymoe.parallel.reduce_scatter import AllToAllReduceScatter
 
     mesh = rank.context(**layout).dense_mesh[dim]
     members = mesh.mesh.flatten().tolist()
@@ -78,7 +78,7 @@ def check_fsdp2_gradients_through_the_all_to_all(rank, layout, dim):
         fully_shard(module, mesh=mesh)
         module.set_gradient_divide_factor(1.0)  # summed over ranks, as raymoe's units are
         module.set_force_sum_reduction_for_comms(True)
-    reduce_scatter_by_all_to_all(sharded)
+        module.set_custom_reduce_scatter(AllToAllReduceScatter())
 
     def batch(member: int) -> torch.Tensor:
         return torch.randn(3, 8, generator=torch.Generator().manual_seed(100 + member))
