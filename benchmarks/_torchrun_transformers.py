@@ -4,7 +4,8 @@ With ``layout`` ``{}`` and no torchrun it is the one-process row (transformers' 
 distributed rows use). Each data-parallel rank trains on its rows of the same global batches bench_layouts.py
 uses (with a last argument ``compile``: after ``model.compile()``, transformers' own way). Rank 0 prints the wall
 time of every optimizer step as ``STEP_SECONDS [...]`` and the peak memory of every rank during the timed steps and
-its memory in use when they began, as ``PEAK_MIB [[peak, start], ...]``.
+its memory in use when they began, as ``PEAK_MIB [[peak, start], ...]``; compiled, ``COMPILE_S`` is rank 0's seconds
+spent compiling (dynamo and inductor, in the warm-up steps), as raymoe's rows report theirs.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 import transformers
 from _peak_memory import peak_mib, reset
+from torch._dynamo.utils import calculate_time_spent
 from transformers.distributed.configuration_utils import DistributedConfig
 
 
@@ -73,8 +75,15 @@ def main() -> None:
     if rank == 0:
         print("STEP_SECONDS " + json.dumps(times), flush=True)
         print("PEAK_MIB " + json.dumps(peaks), flush=True)
+        if compiled:
+            print("COMPILE_S " + json.dumps(compile_seconds()), flush=True)
     if distributed:
         dist.destroy_process_group()
+
+
+def compile_seconds() -> float:
+    """Seconds this process spent compiling (the figure raymoe's ``compile_seconds`` reads)."""
+    return float(calculate_time_spent().get("total_wall_time", 0.0))
 
 
 if __name__ == "__main__":

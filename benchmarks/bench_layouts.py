@@ -14,14 +14,15 @@ machine's state:
                               every FSDP2 unit gathers again in backward, the default before "auto"
     ... compiled              the same with compiled decoder blocks (raymoe: compile=True, each block's forward;
                               transformers, with --transformers-compile: model.compile(), its users' way); the
-                              compilation happens in the warm-up steps and its seconds are the "compile s" column
+                              compilation happens in the warm-up steps and its seconds are the "compile s" column;
+                              with both compiled, "vs transformers compiled" is raymoe's over transformers' rate
     1/N of the batch          raymoe.load_model in one process with one thread on 1/N of the batch: what each
                               rank of a world of N computes, without communication. Its global tokens/s is
                               the ceiling of that world where every rank has a core of its own (a rank gets
                               one thread); a world larger than the machine's cores shares them.
 
 tokens/s is global tokens per second of wall time per optimizer step (median over the timed steps, after
-``--warmup``); each distributed row is the best of ``--rounds`` rounds, the two systems alternating. Peak
+``--warmup``); each distributed row is the best of ``--rounds`` rounds, its systems alternating. Peak
 memory is per rank during the timed steps (RSS on CPU, ``torch.cuda.max_memory_allocated`` on GPU;
 ``_peak_memory.py``), and so is its growth over the memory in use when they began (activations, gradients
 and temporaries of a step: weights and optimizer state are already there); the table shows the largest
@@ -348,15 +349,18 @@ def markdown(rows: list[Row], args: argparse.Namespace) -> str:
         f"one process: {ONE_PROCESS_THREADS} threads, distributed: 1 thread per rank"
         + (f"; fp32 matmul peak {peak / 1e9:.0f} GFLOP/s" if peak else ""),
         "",
-        "| shape | world | layout | system | tokens/s | vs transformers | vs raymoe eager | vs one process (raymoe) "
-        "| of peak | compile s | peak MiB per rank | step growth MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | world | layout | system | tokens/s | vs transformers | vs transformers compiled | vs raymoe eager "
+        "| vs one process (raymoe) | of peak | compile s | peak MiB per rank | step growth MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.error and not r.tokens_per_s:
-            lines.append(f"| {r.shape} | {r.world} | {r.layout} | {r.system} | failed: {r.error} | | | | | | | |")
+            lines.append(f"| {r.shape} | {r.world} | {r.layout} | {r.system} | failed: {r.error} | | | | | | | | |")
             continue
         baseline = speed.get((r.shape, r.layout, TRANSFORMERS_OF.get(r.layout, "transformers+torchrun")))
+        compiled_baseline = speed.get(
+            (r.shape, r.layout, TRANSFORMERS_OF.get(r.layout, "transformers+torchrun") + " compiled")
+        )
         eager = speed.get((r.shape, r.layout, EAGER_OF.get(r.system, "")))
         if " ac=" in r.layout:  # its own batch: compared with no checkpointing on that batch
             reference = speed.get(
@@ -367,6 +371,8 @@ def markdown(rows: list[Row], args: argparse.Namespace) -> str:
         vs_baseline = f"{r.tokens_per_s / baseline:.2f}x" if baseline and r.system.startswith("raymoe") else ""
         if baseline and r.system.startswith("transformers") and r.system.endswith("compiled"):
             vs_baseline = f"{r.tokens_per_s / baseline:.2f}x"  # transformers compiled over its eager self
+        both_compiled = compiled_baseline and r.system.startswith("raymoe compiled")
+        vs_compiled = f"{r.tokens_per_s / compiled_baseline:.2f}x" if both_compiled else ""
         vs_eager = f"{r.tokens_per_s / eager:.2f}x" if eager else ""
         vs_reference = f"{r.tokens_per_s / reference:.2f}x" if reference else ""
         shape = SHAPES[r.shape] if " ac=" not in r.layout else replace(SHAPES[r.shape], seq=args.ac_seq)
@@ -375,13 +381,15 @@ def markdown(rows: list[Row], args: argparse.Namespace) -> str:
         of_peak = f"{r.tokens_per_s * flops_per_token(shape) / peak:.0%}" if measured else ""
         compile_s = f"{r.compile_s:.0f}" if r.compile_s is not None else ""
         lines.append(
-            f"| {r.shape} | {r.world} | {r.layout} | {r.system} | {r.tokens_per_s:.0f} | {vs_baseline} | {vs_eager} "
+            f"| {r.shape} | {r.world} | {r.layout} | {r.system} | {r.tokens_per_s:.0f} | {vs_baseline} | {vs_compiled} "
+            f"| {vs_eager} "
             f"| {vs_reference} | {of_peak} | {compile_s} | {max(r.peak_mib):.0f} | {r.growth_mib:.0f} |"
         )
     lines += [
         "",
         "vs transformers: over transformers (one process) or transformers+torchrun on the same row, both eager; for "
-        "transformers' compiled row, over its eager self. "
+        "transformers' compiled row, over its eager self. vs transformers compiled: raymoe compiled over transformers "
+        "after model.compile() on the same row (--transformers-compile). "
         "peak: the largest rank's peak during the timed steps (RSS on CPU: the process's baseline included); "
         "step growth: the largest rank's peak minus its memory in use when the timed steps began. "
         "ac rows: ratio to ac=none on the same batch.",
