@@ -357,10 +357,9 @@ def markdown(rows: list[Row], args: argparse.Namespace) -> str:
         if r.error and not r.tokens_per_s:
             lines.append(f"| {r.shape} | {r.world} | {r.layout} | {r.system} | failed: {r.error} | | | | | | | | |")
             continue
-        baseline = speed.get((r.shape, r.layout, TRANSFORMERS_OF.get(r.layout, "transformers+torchrun")))
-        compiled_baseline = speed.get(
-            (r.shape, r.layout, TRANSFORMERS_OF.get(r.layout, "transformers+torchrun") + " compiled")
-        )
+        transformers = TRANSFORMERS_OF.get(r.layout, "transformers+torchrun")
+        baseline = speed.get((r.shape, r.layout, transformers))
+        compiled_baseline = speed.get((r.shape, r.layout, transformers + " compiled"))
         eager = speed.get((r.shape, r.layout, EAGER_OF.get(r.system, "")))
         if " ac=" in r.layout:  # its own batch: compared with no checkpointing on that batch
             reference = speed.get(
