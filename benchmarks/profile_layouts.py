@@ -71,9 +71,12 @@ def profile_raymoe(directory: Path, layout: dict[str, Any], data: list[torch.Ten
 def profile_one_process(directory: Path, data: list[torch.Tensor], args: argparse.Namespace) -> None:
     from raymoe import load_model
     from raymoe.models import causal_lm_loss
+    from raymoe.parallel.compiled_blocks import compile_blocks
 
     model = load_model(directory).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if args.compile:  # as bench_layouts.py's one-process row and a rank compile them
+        compile_blocks(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # as the ranks (and that row) step
 
     def step(ids: torch.Tensor) -> None:
         causal_lm_loss(model(ids), ids).backward()
@@ -87,8 +90,11 @@ def profile_one_process(directory: Path, data: list[torch.Tensor], args: argpars
         for ids in data[args.warmup :]:
             step(ids)
         seconds = (time.perf_counter() - began) / args.steps
-    print(f"one process: {seconds:.3f} s per step; torch threads {torch.get_num_threads()}")
+    compiled = ", compiled blocks" if args.compile else ""
+    print(f"one process{compiled}: {seconds:.3f} s per step; torch threads {torch.get_num_threads()}")
     print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    if args.out:
+        profiler.export_chrome_trace(str(Path(args.out) / "one_process.json"))
 
 
 def main() -> None:
@@ -98,8 +104,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rows", type=int, default=25)
-    parser.add_argument("--out", default=None, help="folder for every rank's Chrome trace")
-    parser.add_argument("--compile", action="store_true", help="the ranks compile their decoder blocks, on CPU too")
+    parser.add_argument(
+        "--out", default=None, help="folder for every rank's Chrome trace (one_process.json for one-process)"
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the decoder blocks (the ranks', or one-process's model), on CPU too",
+    )
     args = parser.parse_args()
     shape = shape_args(args.shape)
     if args.out:
