@@ -2,13 +2,14 @@
 
     .venv/bin/python benchmarks/profile_layouts.py --layout fsdp2-ep2 [--steps 3] [--out /tmp/prof]
     .venv/bin/python benchmarks/profile_layouts.py --layout tp2-ep2 --compile   # compiled decoder blocks
-    .venv/bin/python benchmarks/profile_layouts.py --layout one-process
+    .venv/bin/python benchmarks/profile_layouts.py --layout one-process [--compile]   # no Ray: load_model here
 
 Each rank profiles its own process (CPU activities, and CUDA on a GPU) between two calls the driver makes
 through ``run_on_ranks``; the driver times the same steps. Printed: the driver's step time, and for rank 0
 the operators by self time, then by total time (collectives show as ``gloo:`` / ``nccl:`` records and
-``c10d::`` ops). ``--out`` keeps every rank's Chrome trace (``rank<r>.json``, open in chrome://tracing or
-https://ui.perfetto.dev). The model and batch are bench_layouts.py's (``--shape``). Not run by the test suite.
+``c10d::`` ops). ``--out`` keeps every rank's Chrome trace (``rank<r>.json``; ``one_process.json`` for
+one-process; open in chrome://tracing or https://ui.perfetto.dev). The model and batch are bench_layouts.py's
+(``--shape``). Not run by the test suite.
 """
 
 from __future__ import annotations
