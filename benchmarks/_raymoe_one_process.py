@@ -19,14 +19,22 @@ from raymoe.models import causal_lm_loss
 from raymoe.parallel.compiled_blocks import compile_blocks, compile_seconds
 
 
+def model_and_optimizer(
+    directory: str, compiled: bool, device: torch.device
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The row's model in training mode on ``device`` (blocks compiled as a rank compiles them when ``compiled``) and
+    its optimizer: fused AdamW, as raymoe's ranks step (``profile_layouts.py --layout one-process`` profiles this)."""
+    model = load_model(directory).to(device).train()
+    if compiled:
+        compile_blocks(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+
 def main() -> None:
     directory, batch, seq, vocab, steps, warmup = sys.argv[1:7]
     compiled = sys.argv[7:] == ["compile"]
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    model = load_model(directory).to(device).train()
-    if compiled:
-        compile_blocks(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # as raymoe's ranks step
+    model, optimizer = model_and_optimizer(directory, compiled, device)
     gen = torch.Generator().manual_seed(1)
     times = []
     for step in range(int(steps)):

@@ -70,14 +70,11 @@ def profile_raymoe(directory: Path, layout: dict[str, Any], data: list[torch.Ten
 
 
 def profile_one_process(directory: Path, data: list[torch.Tensor], args: argparse.Namespace) -> None:
-    from raymoe import load_model
-    from raymoe.models import causal_lm_loss
-    from raymoe.parallel.compiled_blocks import compile_blocks
+    from _raymoe_one_process import model_and_optimizer
 
-    model = load_model(directory).train()
-    if args.compile:  # as bench_layouts.py's one-process row and a rank compile them
-        compile_blocks(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # as the ranks (and that row) step
+    from raymoe.models import causal_lm_loss
+
+    model, optimizer = model_and_optimizer(str(directory), args.compile, torch.device("cpu"))  # bench_layouts' row
 
     def step(ids: torch.Tensor) -> None:
         causal_lm_loss(model(ids), ids).backward()
