@@ -10,10 +10,13 @@ those groups repeat from layout to layout (on 4 ranks: the 4 singletons, a few p
     layout B  dense (dp_replicate=1, pp=1, fsdp=2, cp=2, tp=1)   fsdp {0,2} {1,3}   cp {0,1} {2,3}
                                                                  ^ the same groups as A's fsdp and tp
 
-A group is described by its ranks (``ranks_0_2``); a rank's progress report names it by the current layout's axes
-(:func:`axis_descs`). Groups are never destroyed while the world lives: torch caches meshes by value (ranks, shape,
-names; not their groups) in DTensor's sharding propagation, so a mesh of an earlier layout may be handed back for an
-equal one of a later layout, and its groups must still work.
+The rank set of the whole world is the default group (``join_world`` made it, with the same timeout), never a second
+group over the same ranks: on gloo each group is a transport loop waking 100 times a second, on NCCL a communicator.
+
+A group is described by its ranks (``ranks_0_2``; the default group by torch's ``default_pg``); a rank's progress
+report names it by the current layout's axes (:func:`axis_descs`). Groups are never destroyed while the world lives:
+torch caches meshes by value (ranks, shape, names; not their groups) in DTensor's sharding propagation, so a mesh of
+an earlier layout may be handed back for an equal one of a later layout, and its groups must still work.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
-from raymoe.rank.contract import MESH_PREFIX, WorldBackend, rank_set_desc
+from raymoe.rank.contract import MESH_PREFIX, WORLD_GROUP_DESC, WorldBackend, rank_set_desc
 from raymoe.spec.topology import Axis, Topology
 
 
@@ -52,13 +55,21 @@ class GroupPool:
         mine = None
         for row in rows.tolist():
             members = tuple(sorted(row))
-            if members not in self._groups:
-                self._groups[members] = self._new_group(members)
+            group = self._group_of(members)
             if self.rank in members:
-                mine = self._groups[members]
+                mine = group
         if mine is None:
             raise ValueError(f"rank {self.rank} is not in the mesh {ranks_grid.tolist()}")
         return mine
+
+    def _group_of(self, members: tuple[int, ...]) -> dist.ProcessGroup:
+        """The group over ``members``: the default group where they are the whole world, else the pooled one."""
+        world = dist.group.WORLD
+        if world is not None and len(members) == world.size():
+            return world
+        if members not in self._groups:
+            self._groups[members] = self._new_group(members)
+        return self._groups[members]
 
     def _new_group(self, members: tuple[int, ...]) -> dist.ProcessGroup:
         options = self.new_options()
@@ -78,5 +89,7 @@ def axis_descs(topology: Topology, rank: int) -> dict[str, str]:
     driver's hang diagnosis names the sub-mesh and finds its members by axis."""
     axes: dict[str, list[str]] = {}
     for axis in Axis:
-        axes.setdefault(rank_set_desc(topology.group_of(rank, axis)), []).append(axis.value)
+        members = topology.group_of(rank, axis)
+        desc = WORLD_GROUP_DESC if len(members) == topology.world_size else rank_set_desc(members)
+        axes.setdefault(desc, []).append(axis.value)
     return {desc: MESH_PREFIX + "/".join(names) for desc, names in axes.items()}

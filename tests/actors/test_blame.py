@@ -80,17 +80,22 @@ def test_death_causes_in_ray_words():
 
 
 def all_reduce_until_killed(ctx, victim: int, at: int, how: str) -> int:
-    """Every rank all-reduces over the world; before its ``at``-th, ``victim`` is SIGKILLed (``"kill"``), or first
+    """Every rank all-reduces over all ranks; before its ``at``-th, ``victim`` is SIGKILLed (``"kill"``), or first
     closes its connections and dies a second later (``"closing"``: a process going down in stages), so that its
-    peers' errors surely reach the driver before Ray reports the death."""
+    peers' errors surely reach the driver before Ray reports the death.
+
+    The all-reduces run on a group made here, which no mesh holds: destroying it frees it, and that closes its
+    connections (a group a mesh still names keeps them until the process ends)."""
+    group = dist.new_group()
     value = torch.ones(1 << 12)
     for step in range(10 * at):
         if ctx.rank == victim and step == at:
             if how == "closing":
-                dist.destroy_process_group()
+                dist.destroy_process_group(group)
+                del group  # the last reference
                 time.sleep(1.0)  # the scenario: the connections are gone, the process not yet
             os.kill(os.getpid(), signal.SIGKILL)
-        dist.all_reduce(value)
+        dist.all_reduce(value, group=group)
     return ctx.rank
 
 

@@ -161,7 +161,8 @@ def test_only_rank_zero_joins_with_the_store_it_hosts(rank, hosted):
 
 
 def gloo_threads(ctx):
-    """This rank's gloo loop threads (one per live group), a sum over each axis of the current layout, the groups."""
+    """This rank's gloo loop threads (one per live group), a sum over each axis of the current layout, the groups (the
+    default one included where an axis spans the world)."""
     import os
 
     task = f"/proc/{os.getpid()}/task"
@@ -175,8 +176,11 @@ def gloo_threads(ctx):
     sums = {}
     for axis in Axis:
         one = torch.ones(1)
-        dist.all_reduce(one, group=ctx.mesh(axis).get_group())
+        group = ctx.mesh(axis).get_group()
+        dist.all_reduce(one, group=group)
         sums[axis.value] = int(one)
+        # an axis over every rank runs on the default group, never on a second group of the same ranks
+        assert (group is dist.group.WORLD) == (ctx.topology.axis_size(axis) == ctx.world_size), axis
     if ctx.topology.axis_size(Axis.CP) > 1:
         one = torch.ones(1)
         dist.all_reduce(one, group=ctx.dense_mesh["fsdp_cp"].get_group())

@@ -30,7 +30,7 @@ def test_a_rank_set_description_reads_back_and_nothing_else_reads_as_one():
                 "ranks_3": "mesh_dp_replicate/pp/tp/ep",
                 "ranks_1_3": "mesh_fsdp",
                 "ranks_2_3": "mesh_cp",
-                "ranks_0_1_2_3": "mesh_efsdp",
+                "default_pg": "mesh_efsdp",  # the whole world's rank set: the default group
             },
         ),
     ],
