@@ -161,8 +161,8 @@ def test_only_rank_zero_joins_with_the_store_it_hosts(rank, hosted):
 
 
 def gloo_threads(ctx):
-    """This rank's gloo loop threads (one per live group), a sum over each axis of the current layout, the groups (the
-    default one included where an axis spans the world)."""
+    """This rank's gloo loop threads (one per live group), a sum over each axis of the current layout, the pooled
+    groups (the default group, which an axis over every rank runs on, is not one of them)."""
     import os
 
     task = f"/proc/{os.getpid()}/task"
