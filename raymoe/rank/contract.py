@@ -226,9 +226,9 @@ class StateAnswer:
 
 MESH_PREFIX = "mesh_"  # a group named by its axes: by DeviceMesh (``mesh_fsdp_cp``), by progress reports (``mesh_tp``)
 RANK_SET_DESC = "ranks_"
-WORLD_GROUP_DESC = "default_pg"  # how torch describes the default group, which is a layout's group over every rank
 """How a layout's process group is described (``ranks_0_2``: its member ranks; :mod:`raymoe.rank.groups`). A rank's
 progress report names it by the axes of its current layout over those ranks (``mesh_fsdp``, ``mesh_tp/ep``)."""
+WORLD_GROUP_DESC = "default_pg"  # how torch describes the default group, which is a layout's group over every rank
 
 
 def rank_set_desc(members: tuple[int, ...]) -> str:
