@@ -16,6 +16,7 @@ from raymoe.models import deepseek_v3, glm4_moe, gpt_oss, llama, mixtral, qwen2_
 from raymoe.models.common.config import ModelConfig, read_config_file
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.family import ModelFamily
+from raymoe.models.common.skip_init import SkipMetaInit
 
 FAMILIES: dict[str, ModelFamily] = {
     family.model_type: family
@@ -60,7 +61,7 @@ def build_model(
 ) -> CausalLM:
     """The model of ``config``: on ``meta`` (the default) shapes only, ready to load; elsewhere randomly initialised."""
     model_class = family_of(config.model_type).model_class
-    with torch.device(device):
+    with torch.device(device), SkipMetaInit():
         model = model_class(config)
     model.to(dtype)
     if torch.device(device).type != "meta":
