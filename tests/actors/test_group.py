@@ -63,6 +63,15 @@ def group_members(ctx):
     return members, env, ctx.backend, ctx.dense_mesh.mesh_dim_names, ctx.expert_mesh.mesh_dim_names
 
 
+@pytest.fixture(scope="module")
+def worlds(world):
+    """The session's shared worlds; the world of 8 ranks is released after this module. Its next users
+    (tests/rank/test_footprint.py, test_layouts.py) come most of the session later, when its 8 idle ranks would have
+    cost more CPU than starting it again."""
+    yield world
+    world.release(8)
+
+
 @pytest.mark.parametrize(
     ("config", "own_group"),
     [
@@ -77,7 +86,7 @@ def group_members(ctx):
     ],
     ids=lambda c: ",".join(f"{k.removesuffix('_size')}{v}" for k, v in c.items()) if isinstance(c, dict) else "",
 )
-def test_sub_mesh_membership_equals_topology_groups(ray_session, world, config, own_group):
+def test_sub_mesh_membership_equals_topology_groups(ray_session, worlds, config, own_group):
     topology = build_topology(DistributedConfig(**config))
     if own_group:
         group = RayRankGroup.for_topology(topology, OPTIONS)
@@ -86,7 +95,7 @@ def test_sub_mesh_membership_equals_topology_groups(ray_session, world, config, 
         finally:
             group.shutdown()
     else:
-        group = world(topology.world_size)
+        group = worlds(topology.world_size)
         group.use_layout(topology)
         results = group.execute(group_members)
     assert group.topology == topology
