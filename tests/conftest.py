@@ -118,7 +118,8 @@ def ray_session():
 
 @pytest.fixture(scope="session")
 def world(ray_session):
-    """``world(n)``: a world of ``n`` rank actors (``raymoe.start_world``) shared by the whole session.
+    """``world(n)``: a world of ``n`` rank actors (``raymoe.start_world``) shared by the whole session
+    (``world.release(n)`` shuts it down before the session ends: :class:`SharedWorlds`).
 
     Tests that only need *a* model on *some* ranks load onto it (``from_pretrained(..., world=world(n))``)
     instead of starting actors of their own; each load sets its own layout, and the handle's

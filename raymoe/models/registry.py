@@ -59,7 +59,8 @@ def load_model_config(directory: str | Path) -> ModelConfig:
 def build_model(
     config: ModelConfig, *, device: torch.device | str = "meta", dtype: torch.dtype = torch.float32
 ) -> CausalLM:
-    """The model of ``config``: on ``meta`` (the default) shapes only, ready to load; elsewhere randomly initialised."""
+    """The model of ``config``: on ``meta`` (the default) shapes only, ready to load, built without running an
+    initialiser (:class:`~raymoe.models.common.skip_init.SkipMetaInit`); elsewhere randomly initialised."""
     model_class = family_of(config.model_type).model_class
     with torch.device(device), SkipMetaInit():
         model = model_class(config)
