@@ -109,8 +109,8 @@ def ray_session():
     if not ray.is_initialized():
         ray.init(num_cpus=RAY_TEST_CPUS, log_to_driver=False, include_dashboard=True)
         # The log monitor only forwards workers' output to drivers, which log_to_driver=False turns off here; it still
-        # globs and stats every worker's log files 10 times a second: ~50 CPU-seconds a session, whose ~170 log files
-        # it keeps scanning to the end (ray.init has no switch for it; `ray start` has --include-log-monitor).
+        # globs and stats every worker's log file 10 times a second (~170 files by the session's end): ~50 CPU-seconds
+        # a session. ray.init has no switch for it (`ray start` has --include-log-monitor).
         ray._private.worker._global_node.kill_log_monitor(check_alive=False)
     yield ray
     ray.shutdown()

@@ -1,9 +1,9 @@
 """Building a model on the ``meta`` device without running its initialisers.
 
 A meta tensor has a shape and a dtype but no values, so filling it changes nothing. It is not free either: the meta
-kernel of ``Tensor.normal_`` (``nn.Embedding``'s and ``init_weights``' initialiser) is a Python reference whose first
-call imports ``torch._dynamo``, ~3.5 CPU-seconds in every process that builds a meta model (the driver and each rank)
-and never needs the compiler.
+kernel of ``Tensor.normal_`` (``nn.Embedding``'s initialiser) is a Python reference whose first call imports
+``torch._dynamo``, into every process that builds a meta model (the driver and each rank at load), compiling or not.
+On the driver, ``prepare_launch`` took 0.75-1.04 s with that import and 0.01 s without.
 """
 
 from __future__ import annotations
