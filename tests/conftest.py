@@ -103,17 +103,42 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """A local Ray instance (with the state API) for the whole test session."""
+    """A local Ray instance for the whole test session, without the dashboard: nothing reads it, and its processes
+    cost ~45 CPU-seconds a session (what tests ask of the cluster: :class:`RayTables`)."""
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=RAY_TEST_CPUS, log_to_driver=False, include_dashboard=True)
+        ray.init(num_cpus=RAY_TEST_CPUS, log_to_driver=False, include_dashboard=False)
         # The log monitor only forwards workers' output to drivers, which log_to_driver=False turns off here; it still
         # globs and stats every worker's log file 10 times a second (~170 files by the session's end): ~50 CPU-seconds
         # a session. ray.init has no switch for it (`ray start` has --include-log-monitor).
         ray._private.worker._global_node.kill_log_monitor(check_alive=False)
     yield ray
     ray.shutdown()
+
+
+class RayTables:
+    """This session's Ray as its GCS lists it, for the tests that check which rank actors and placement groups are
+    left or were started. Read over the driver's own connection: Ray's state API (``ray.util.state``) asks the
+    dashboard, which the session's Ray runs without; and it is this session's cluster whatever else runs here."""
+
+    def __init__(self, ray: Any) -> None:
+        self._ray = ray
+
+    def rank_actors(self, state: str | None = "ALIVE") -> set[str]:
+        """Ids of the rank actors in ``state`` (``None``: in any, the dead ones too); the shared worlds' are among
+        them once started."""
+        table = self._ray._private.state.actors(actor_state_name=state).values()
+        return {actor["ActorID"] for actor in table if actor["ActorClassName"] == "RankActor"}
+
+    def live_placement_groups(self) -> set[str]:
+        return {pg_id for pg_id, pg in self._ray.util.placement_group_table().items() if pg["state"] != "REMOVED"}
+
+
+@pytest.fixture(scope="session")
+def ray_tables(ray_session) -> RayTables:
+    """The session's rank actors and placement groups (:class:`RayTables`)."""
+    return RayTables(ray_session)
 
 
 @pytest.fixture(scope="session")

@@ -8,11 +8,13 @@ the next non-zero rank: each of them three times SIGKILLed, three times closing 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -99,22 +101,32 @@ def all_reduce_until_killed(ctx, victim: int, at: int, how: str) -> int:
     return ctx.rank
 
 
-@pytest.fixture
-def busy_cores():
-    """Two busy processes, one per core of a 2-core CI machine: the ranks and Ray compete for the CPU. Each stops
-    by itself once its parent is gone (a pytest killed mid-test leaves no busy core behind)."""
-    spin = f"import os\nwhile os.getppid() == {os.getpid()}:\n    for _ in range(10**6): pass"
-    hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
-    yield
-    for hog in hogs:
-        hog.kill()
-        hog.wait()
-
-
-def fail_rank(group: RayRankGroup, victim: int, how: str) -> RankError:
-    """Kill ``victim`` (see :func:`all_reduce_until_killed`); the error, the group shut down."""
+@contextlib.contextmanager
+def busy_cores() -> Iterator[None]:
+    """Two busy processes, one per core of a 2-core CI machine: the ranks and Ray compete for the CPU while the block
+    runs (it begins once both spin). Each stops by itself once its parent is gone (a pytest killed mid-test leaves no
+    busy core behind)."""
+    spin = f"import os\nprint(flush=True)\nwhile os.getppid() == {os.getpid()}:\n    for _ in range(10**6): pass"
+    hogs = [subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE) for _ in range(2)]
+    pipes = [hog.stdout for hog in hogs if hog.stdout is not None]
     try:
-        with pytest.raises(RankError) as caught:
+        for pipe in pipes:
+            pipe.readline()  # spinning
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+        for pipe in pipes:
+            pipe.close()
+
+
+def fail_rank(group: RayRankGroup, victim: int, how: str, *, under_load: bool) -> RankError:
+    """Kill ``victim`` (see :func:`all_reduce_until_killed`), ``under_load`` from the first all-reduce until the
+    driver has the error (the race the load is for: which error reaches the driver first; the group's start and
+    shutdown need none); the error, the group shut down."""
+    try:
+        with pytest.raises(RankError) as caught, busy_cores() if under_load else contextlib.nullcontext():
             group.execute(all_reduce_until_killed, victim, 20, how)
         assert not group.is_alive
     finally:
@@ -123,23 +135,23 @@ def fail_rank(group: RayRankGroup, victim: int, how: str) -> RankError:
 
 
 @pytest.mark.parametrize("repetition", range(REPEAT))
-def test_a_killed_rank_is_named_first_under_load(ray_session, busy_cores, repetition):
+def test_a_killed_rank_is_named_first_under_load(ray_session, repetition):
     """Each repetition kills the next non-zero rank, the last first: every survivor's rank comes before it."""
     victim = TOPOLOGY.world_size - 1 - repetition % (TOPOLOGY.world_size - 1)
     group = RayRankGroup.for_topology(TOPOLOGY, GroupOptions(cpus_per_rank=0.25, collective_timeout_s=60))
-    error = fail_rank(group, victim, "kill")
+    error = fail_rank(group, victim, "kill", under_load=True)
     first = str(error).splitlines()[0]
     assert first.startswith(f"rank {victim} (") and " died in all_reduce_until_killed: " in first, first
     assert error.primary == (victim,) and error.rank == victim, first
 
 
 @pytest.mark.parametrize("repetition", range(REPEAT))
-def test_a_rank_whose_connections_close_first_is_named_first_under_load(ray_session, busy_cores, repetition):
+def test_a_rank_whose_connections_close_first_is_named_first_under_load(ray_session, repetition):
     """The survivors' errors surely arrive first here; the driver waits for the death they follow from. Each
     repetition kills the next non-zero rank."""
     victim = 1 + repetition % (TOPOLOGY.world_size - 1)
     group = RayRankGroup.for_topology(TOPOLOGY, GroupOptions(cpus_per_rank=0.25, collective_timeout_s=60))
-    error = fail_rank(group, victim, "closing")
+    error = fail_rank(group, victim, "closing", under_load=True)
     first = str(error).splitlines()[0]
     assert first.startswith(f"rank {victim} (") and " died in all_reduce_until_killed: " in first, first
     assert error.primary == (victim,) and set(error.secondary) == set(range(4)) - {victim}, first
@@ -153,5 +165,5 @@ def test_without_the_grace_the_survivors_errors_would_be_all_there_is(ray_sessio
 
     monkeypatch.setattr(actors.group, "BLAME_GRACE_S", 0.0)
     group = RayRankGroup.for_topology(TOPOLOGY, GroupOptions(cpus_per_rank=0.25, collective_timeout_s=60))
-    error = fail_rank(group, 1, "closing")
+    error = fail_rank(group, 1, "closing", under_load=False)
     assert error.primary == () and str(error).startswith("no rank was seen failing first"), str(error)

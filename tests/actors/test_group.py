@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from ray import cloudpickle
-from ray.util.state import list_actors, list_placement_groups
 
 from actors import GroupOptions, PlacementError, RankError, RayRankGroup
 from raymoe import DistributedConfig, build_topology
@@ -25,31 +24,14 @@ def start(ray_session, **config):
     return RayRankGroup.for_topology(build_topology(DistributedConfig(**config)), OPTIONS)
 
 
-def _address():
-    """This session's Ray, named explicitly: other Ray instances may run on this machine."""
-    import ray
-
-    return ray.get_runtime_context().gcs_address
-
-
-def alive_actors():
-    """Ids of the live rank actors (the session's shared worlds among them, when a test started them)."""
-    alive = list_actors(address=_address(), filters=[("state", "=", "ALIVE")])
-    return {a.actor_id for a in alive if a.class_name == "RankActor"}
-
-
-def live_placement_groups():
-    return {pg.placement_group_id for pg in list_placement_groups(address=_address()) if pg.state != "REMOVED"}
-
-
 def owned(group):
     """The actor ids and the placement-group id a group holds (to check they are gone after it ends)."""
     return {actor._actor_id.hex() for actor in group._actors}, {group._placement.group.id.hex()}
 
 
-def gone(ids):
+def gone(tables, ids):
     actors, groups = ids
-    return not (actors & alive_actors()) and not (groups & live_placement_groups())
+    return not (actors & tables.rank_actors()) and not (groups & tables.live_placement_groups())
 
 
 def group_members(ctx):
@@ -114,7 +96,7 @@ def fail_on_rank_two(ctx):
     return ctx.rank
 
 
-def test_exception_on_one_rank_names_it_and_tears_everything_down(ray_session):
+def test_exception_on_one_rank_names_it_and_tears_everything_down(ray_session, ray_tables):
     group = start(ray_session, tp_size=2, fsdp_size=2, ep_size=2)
     ids = owned(group)
     with pytest.raises(RankError) as info:
@@ -130,7 +112,7 @@ def test_exception_on_one_rank_names_it_and_tears_everything_down(ray_session):
         "--- traceback on rank 2 ---" in message and 'in fail_on_rank_two\n    raise ValueError("bad shard' in message
     )
     assert not group.is_alive
-    _eventually(lambda: gone(ids))
+    _eventually(lambda: gone(ray_tables, ids))
 
 
 def sleep_then_barrier(ctx, seconds):
@@ -140,7 +122,7 @@ def sleep_then_barrier(ctx, seconds):
     return ctx.rank
 
 
-def test_killed_rank_is_reported_within_seconds(ray_session):
+def test_killed_rank_is_reported_within_seconds(ray_session, ray_tables):
     group = start(ray_session, dp_replicate_size=2)
     ids = owned(group)
     victim = group._actors[1]
@@ -158,7 +140,7 @@ def test_killed_rank_is_reported_within_seconds(ray_session):
     detected_after = time.monotonic() - killed_at[0]
     print(f"killed rank reported {detected_after:.2f} s after ray.kill")  # shown with -s
     assert detected_after < 10  # measured 0.01 s here; the other ranks wait in a 120 s barrier
-    _eventually(lambda: gone(ids))
+    _eventually(lambda: gone(ray_tables, ids))
 
 
 def rank_and_args(ctx, *args):
@@ -174,7 +156,7 @@ def test_rank_processes_run_at_normal_priority(ray_session, world):
     assert world(2).execute(niceness) == [0, 0]
 
 
-def test_execute_per_rank_and_shutdown_is_idempotent(ray_session):
+def test_execute_per_rank_and_shutdown_is_idempotent(ray_session, ray_tables):
     group = start(ray_session, dp_replicate_size=2)
     ids = owned(group)
     assert group.execute(rank_and_args, "x") == [(0, ("x",)), (1, ("x",))]
@@ -185,21 +167,21 @@ def test_execute_per_rank_and_shutdown_is_idempotent(ray_session):
     group.shutdown()
     with pytest.raises(RuntimeError, match="was shut down"):
         group.execute(rank_and_args)
-    _eventually(lambda: gone(ids))
+    _eventually(lambda: gone(ray_tables, ids))
 
 
-def test_insufficient_resources_fail_before_any_actor(ray_session):
-    before = alive_actors(), live_placement_groups()
+def test_insufficient_resources_fail_before_any_actor(ray_session, ray_tables):
+    before = ray_tables.rank_actors(), ray_tables.live_placement_groups()
     topology = build_topology(DistributedConfig(fsdp_size=32))
     with pytest.raises(PlacementError, match=r"needs 32 rank slots of 1 CPUs, cluster has 1 node x 16 CPUs"):
         RayRankGroup.for_topology(topology, OPTIONS)
-    assert (alive_actors(), live_placement_groups()) == before
+    assert (ray_tables.rank_actors(), ray_tables.live_placement_groups()) == before
 
 
-def test_busy_cluster_times_out_with_a_clear_error(ray_session):
+def test_busy_cluster_times_out_with_a_clear_error(ray_session, ray_tables):
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    before = alive_actors()
+    before = ray_tables.rank_actors()
     # The hog takes what is free now; the two ranks ask for more than the cluster can ever have beside it, however
     # much an earlier test's actors free later (Ray reports freed resources with a delay), yet no more than it has.
     total = ray_session.cluster_resources()["CPU"]
@@ -216,7 +198,7 @@ def test_busy_cluster_times_out_with_a_clear_error(ray_session):
         assert time.monotonic() - began < 15
     finally:
         remove_placement_group(hog)
-    assert alive_actors() == before
+    assert ray_tables.rank_actors() == before
 
 
 def _eventually(condition, timeout_s=20.0):

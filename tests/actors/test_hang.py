@@ -117,12 +117,6 @@ def test_a_world_collective_blames_every_rank_behind_and_nothing_is_invented():
 # --- on a local Ray ------------------------------------------------------------------------------
 
 
-def _address():
-    import ray
-
-    return ray.get_runtime_context().gcs_address
-
-
 def freeze_rank_one_at_next_forward(ctx):
     """Rank 1 stops its own process (SIGSTOP) when the next forward starts: frozen inside train_step."""
     if ctx.rank == 1:
@@ -145,9 +139,7 @@ def test_nccl_groups_outwait_the_drivers_hang_diagnosis(timeout_s):
     assert backend_timeout_s("gloo", timeout_s) == timeout_s
 
 
-def test_a_frozen_rank_is_named_within_40_s_and_nothing_is_left(ray_session, tiny_checkpoint):
-    from ray.util.state import list_actors, list_placement_groups
-
+def test_a_frozen_rank_is_named_within_40_s_and_nothing_is_left(ray_tables, tiny_checkpoint):
     import raymoe
 
     model = raymoe.from_pretrained(
@@ -173,8 +165,7 @@ def test_a_frozen_rank_is_named_within_40_s_and_nothing_is_left(ray_session, tin
     assert not model.is_alive
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        alive = {a.actor_id for a in list_actors(address=_address(), filters=[("state", "=", "ALIVE")])}
-        groups = {g.placement_group_id for g in list_placement_groups(address=_address()) if g.state != "REMOVED"}
+        alive, groups = ray_tables.rank_actors(), ray_tables.live_placement_groups()
         processes = [pid for pid in pids if _exists(pid)]
         if not (alive & actors) and placement not in groups and not processes:
             break

@@ -1,22 +1,12 @@
 """raymoe.from_pretrained on a local Ray: one rank and data-parallel replicas against transformers in one process."""
 
 import pytest
-import ray
 import torch
-from ray.util.state import list_actors
 
 import raymoe
 
 MOE = "moe_e5_k3_gqa2_dense_mid"
 LR, WEIGHT_DECAY, STEPS = 1e-2, 0.1, 3
-
-
-def rank_actors_alive():
-    """Ids of the live rank actors of this session's Ray (the shared worlds among them); the address is
-    explicit because other Ray instances may run on this machine."""
-    address = ray.get_runtime_context().gcs_address
-    alive = list_actors(address=address, filters=[("state", "=", "ALIVE")])
-    return {a.actor_id for a in alive if a.class_name == "RankActor"}
 
 
 def batches(vocab, seed=0):
@@ -75,9 +65,9 @@ def test_logits_training_and_save_equal_one_process(
             assert (model(ids) - trained(input_ids=ids).logits).abs().max().item() <= 1e-5
 
 
-def test_handle_surface_and_lifecycle(ray_session, tiny_checkpoint):
+def test_handle_surface_and_lifecycle(ray_session, ray_tables, tiny_checkpoint):
     directory = tiny_checkpoint(MOE)
-    before = rank_actors_alive()
+    before = ray_tables.rank_actors()
     model = raymoe.from_pretrained(directory, distributed_config={"dp_replicate_size": 2})
     assert model.topology.world_size == 2
     assert model.fsdp_plan["model.layers.*"] == "free_full_weight"
@@ -113,7 +103,7 @@ def test_handle_surface_and_lifecycle(ray_session, tiny_checkpoint):
     # a second load in the same session gets fresh actors
     with raymoe.from_pretrained(directory) as again:
         assert again(torch.zeros(1, 3, dtype=torch.long)).shape == (1, 3, 96)
-    assert rank_actors_alive() == before
+    assert ray_tables.rank_actors() == before
 
 
 @pytest.mark.parametrize(
@@ -125,11 +115,13 @@ def test_handle_surface_and_lifecycle(ray_session, tiny_checkpoint):
         ({"tp_size": 2, "tp_plan": {"lm_heda": "colwise"}}, ValueError, r"'lm_heda'; did you mean 'lm_head'"),
     ],
 )
-def test_bad_layouts_fail_on_the_driver_before_any_actor(ray_session, tiny_checkpoint, config, error, match):
-    before = rank_actors_alive()
+def test_bad_layouts_fail_on_the_driver_before_any_actor(
+    ray_session, ray_tables, tiny_checkpoint, config, error, match
+):
+    before = ray_tables.rank_actors()
     with pytest.raises(error, match=match):
         raymoe.from_pretrained(tiny_checkpoint(MOE), distributed_config=config)
-    assert rank_actors_alive() == before
+    assert ray_tables.rank_actors() == before
 
 
 def test_missing_checkpoint_fails_on_the_driver(ray_session, tmp_path):

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from ray.util.state import list_actors
 
 from raymoe import build_tiny_checkpoint
 
@@ -30,20 +29,12 @@ def finetune():
     return module
 
 
-def rank_actors_alive(ray) -> set:
-    """Ids of the RankActors alive in the session's cluster (named explicitly: other Ray instances may run on this
-    machine); the session's shared worlds are among them when a test started them."""
-    address = ray.get_runtime_context().gcs_address
-    alive = list_actors(address=address, filters=[("state", "=", "ALIVE")])
-    return {a.actor_id for a in alive if a.class_name == "RankActor"}
-
-
 @pytest.mark.slow
-def test_embedded_default_loss_falls_and_artefacts_exist(ray_session, world, finetune, tmp_path, capsys):
+def test_embedded_default_loss_falls_and_artefacts_exist(ray_session, ray_tables, world, finetune, tmp_path, capsys):
     """The run ``python examples/finetune.py`` makes, on the session's world of 4 (starting and freeing a world of its
     own is the subject of the SIGINT test below and of tests/examples/test_job_submit.py)."""
     ranks = world(4)
-    before = rank_actors_alive(ray_session)
+    before = ray_tables.rank_actors()
     out = tmp_path / "run"
     argv = ["--steps", "16", "--eval-every", "8", "--output-dir", str(out), "--no-progress"]
     assert finetune.main(argv, ranks) == 0
@@ -63,7 +54,7 @@ def test_embedded_default_loss_falls_and_artefacts_exist(ray_session, world, fin
     # the embedded model trains with the per-layer aux loss: its part is in the loss, the telemetry in the records
     assert all(r["loss"] > r["lm_loss"] and r["aux_loss"] > 0 for r in steps)
     assert all(len(r["expert_load"]) == 2 and r["dropped_pairs"] == 0 for r in steps)
-    assert rank_actors_alive(ray_session) == before  # the world's ranks live on, and nothing else does
+    assert ray_tables.rank_actors() == before  # the world's ranks live on, and nothing else does
 
 
 @pytest.mark.slow
@@ -161,8 +152,8 @@ def test_long_sequence_flags_split_every_row_and_train(ray_session, world, finet
         "chat_without_a_chat_template",
     ],
 )
-def test_bad_input_is_one_error_before_any_step(ray_session, finetune, tmp_path, capsys, args, message):
-    before = rank_actors_alive(ray_session)
+def test_bad_input_is_one_error_before_any_step(ray_session, ray_tables, finetune, tmp_path, capsys, args, message):
+    before = ray_tables.rank_actors()
     import numpy as np
 
     files = {name: tmp_path / name for name in ("empty.txt", "out_of_vocab.npy", "garbage.npy", "latin1.jsonl")}
@@ -192,7 +183,7 @@ def test_bad_input_is_one_error_before_any_step(ray_session, finetune, tmp_path,
     assert len(err) == 1 and err[0].startswith("finetune.py: error: "), err
     assert re.search(message, err[0]), err[0]
     assert not (out / "metrics.jsonl").exists()  # no step ran
-    assert rank_actors_alive(ray_session) == before
+    assert ray_tables.rank_actors() == before
 
 
 @pytest.mark.slow
@@ -247,7 +238,9 @@ def test_a_rank_failure_is_one_line_unless_debugging(finetune, monkeypatch, caps
 
 
 @pytest.mark.slow
-def test_a_run_resumes_from_its_latest_state_under_another_layout(ray_session, world, finetune, tmp_path, capsys):
+def test_a_run_resumes_from_its_latest_state_under_another_layout(
+    ray_session, ray_tables, world, finetune, tmp_path, capsys
+):
     """--save-state-every, a lost step (the newest state removed, as if the job died before writing it), then
     --resume on another layout: metrics.jsonl goes on with steps 1..6 once each. Without --resume or --overwrite
     the second launch is refused before the cluster is asked for anything."""
@@ -260,12 +253,12 @@ def test_a_run_resumes_from_its_latest_state_under_another_layout(ray_session, w
     first = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     shutil.rmtree(out / "states" / "step-00000006")
 
-    before = rank_actors_alive(ray_session)
+    before = ray_tables.rank_actors()
     assert finetune.main([*common, *first_layout]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"finetune.py: error: output_dir {out} holds an earlier run"), err
     assert "--resume" in err[0] and "--overwrite" in err[0]
-    assert rank_actors_alive(ray_session) == before
+    assert ray_tables.rank_actors() == before
     assert [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] == first  # untouched
 
     second_layout = ["--tp-size", "2", "--fsdp-size", "1", "--ep-size", "1"]
@@ -283,7 +276,7 @@ def test_a_run_resumes_from_its_latest_state_under_another_layout(ray_session, w
 
 
 @pytest.mark.slow
-def test_sigint_stops_at_a_step_boundary_saves_the_state_and_frees_every_rank(ray_session, tmp_path):
+def test_sigint_stops_at_a_step_boundary_saves_the_state_and_frees_every_rank(ray_session, ray_tables, tmp_path):
     """Ctrl-C to a running finetune.py (its own driver process, 2 ranks on the session's Ray): it exits within 30 s with
     130 after the step in progress, leaves a training state to resume from, and no rank actor behind."""
     import os
@@ -292,7 +285,7 @@ def test_sigint_stops_at_a_step_boundary_saves_the_state_and_frees_every_rank(ra
     import sys
     import time
 
-    before = rank_actors_alive(ray_session)
+    before = ray_tables.rank_actors()
     out = tmp_path / "run"
     env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
     # 2 ranks (fsdp2): the interrupt and the ranks' release are the subject, not the layout
@@ -319,9 +312,9 @@ def test_sigint_stops_at_a_step_boundary_saves_the_state_and_frees_every_rank(ra
     assert steps == list(range(1, step + 1))
     assert Path(found.group(2)).name == f"step-{step:08d}" and (Path(found.group(2)) / "raymoe_state.json").is_file()
     deadline = time.monotonic() + 30
-    while rank_actors_alive(ray_session) - before and time.monotonic() < deadline:
+    while ray_tables.rank_actors() - before and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not rank_actors_alive(ray_session) - before
+    assert not ray_tables.rank_actors() - before
 
 
 # --- LoRA (--lora-r, --adapter) -------------------------------------------------------------------------------------

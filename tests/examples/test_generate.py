@@ -41,17 +41,11 @@ def test_streamed_prompt_equals_its_row_of_a_batch(ray_session, world, generate_
     ids=["empty-prompt", "top-p"],
 )
 def test_bad_input_is_one_error_line_before_any_rank_starts(
-    ray_session, generate_script, tmp_path, capsys, args, message
+    ray_tables, generate_script, tmp_path, capsys, args, message
 ):
-    from ray.util.state import list_actors
-
-    def rank_actors() -> int:
-        address = ray_session.get_runtime_context().gcs_address
-        return sum(a.class_name == "RankActor" for a in list_actors(address=address, limit=10_000))  # any state
-
-    before = rank_actors()
+    before = ray_tables.rank_actors(state=None)  # any state: one started and stopped shows too
     argv = [*args, "--fsdp-size", "2", "--output-dir", str(tmp_path), "--cpus-per-rank", "0.5"]
     assert generate_script.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"generate.py: error: {message}"]
-    assert rank_actors() == before  # no rank was started (and stopped) for it
+    assert ray_tables.rank_actors(state=None) == before  # no rank was started (and stopped) for it

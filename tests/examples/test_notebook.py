@@ -8,23 +8,14 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
-from ray.util.state import list_actors
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 NOTEBOOK = EXAMPLES / "interactive.ipynb"
 
 
-def rank_actors_alive(ray) -> set:
-    """Ids of the RankActors alive in the session's cluster (named explicitly: other Ray instances may run on this
-    machine); the session's shared worlds are among them when a test started them."""
-    address = ray.get_runtime_context().gcs_address
-    alive = list_actors(address=address, filters=[("state", "=", "ALIVE")])
-    return {a.actor_id for a in alive if a.class_name == "RankActor"}
-
-
 @pytest.mark.slow
-def test_notebook_runs_every_cell_and_shuts_down(ray_session, monkeypatch, tmp_path):
-    before = rank_actors_alive(ray_session)
+def test_notebook_runs_every_cell_and_shuts_down(ray_session, ray_tables, monkeypatch, tmp_path):
+    before = ray_tables.rank_actors()
     # The kernel joins the session's Ray through RAY_ADDRESS, so its rank actors are visible here.
     monkeypatch.setenv("RAY_ADDRESS", ray_session.get_runtime_context().gcs_address)
     notebook = nbformat.read(NOTEBOOK, as_version=4)
@@ -48,4 +39,4 @@ def test_notebook_runs_every_cell_and_shuts_down(ray_session, monkeypatch, tmp_p
     assert "eval loss after 12 steps" in text
     assert "model.safetensors" in text and "tokenizer.json" in text
     assert "shut down" in text
-    assert rank_actors_alive(ray_session) == before
+    assert ray_tables.rank_actors() == before

@@ -29,6 +29,14 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def last_of_the_world_of_8(world):
+    """The session's world of 8 ranks is released after this module, its last user (its 8 idle ranks would cost CPU
+    for the rest of the session: ~4 minutes of it)."""
+    yield
+    world.release(8)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_trains_like_one_process(check_layout, tmp_path, layout):
     metrics = check_layout(LAYOUTS[layout], tmp_path, MOE)
