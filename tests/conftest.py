@@ -103,8 +103,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """A local Ray instance for the whole test session, without the dashboard: nothing reads it, and its processes
-    cost ~45 CPU-seconds a session (what tests ask of the cluster: :class:`RayTables`)."""
+    """A local Ray instance for the whole test session, without the dashboard: nothing reads it, and it costs CPU as
+    the tests run (7-16 % of test_pipeline's and test_lora's; README, Development). What tests ask of the cluster:
+    :class:`RayTables`."""
     import ray
 
     if not ray.is_initialized():
