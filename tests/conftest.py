@@ -156,6 +156,14 @@ def world(ray_session):
     shared.shutdown()
 
 
+@pytest.fixture(scope="module")
+def world_of_8_released_after(world):
+    """A module that uses this (``pytestmark = pytest.mark.usefixtures(...)``) shuts the session's world of 8 ranks
+    down after its last test: no test asks for that world again for a long while (:class:`SharedWorlds`)."""
+    yield
+    world.release(8)
+
+
 class SharedWorlds:
     """The ``world`` fixture: ``world(n)`` starts a world of ``n`` ranks the first time it is asked for (or after a
     rank failure ended it) and hands the same one out after that; ``release(n)`` shuts it down early.

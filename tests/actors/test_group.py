@@ -17,6 +17,10 @@ from raymoe.spec.topology import Axis
 # Rank functions below travel to the actors by value: test modules are not importable there.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
+# The world of 8 ranks' next users (tests/rank/test_footprint.py, test_layouts.py) come most of the session later, when
+# its 8 idle ranks would have cost more CPU than starting it again.
+pytestmark = pytest.mark.usefixtures("world_of_8_released_after")
+
 OPTIONS = GroupOptions(collective_timeout_s=60, placement_timeout_s=30)
 
 
@@ -45,15 +49,6 @@ def group_members(ctx):
     return members, env, ctx.backend, ctx.dense_mesh.mesh_dim_names, ctx.expert_mesh.mesh_dim_names
 
 
-@pytest.fixture(scope="module")
-def worlds(world):
-    """The session's shared worlds; the world of 8 ranks is released after this module. Its next users
-    (tests/rank/test_footprint.py, test_layouts.py) come most of the session later, when its 8 idle ranks would have
-    cost more CPU than starting it again."""
-    yield world
-    world.release(8)
-
-
 @pytest.mark.parametrize(
     ("config", "own_group"),
     [
@@ -68,7 +63,7 @@ def worlds(world):
     ],
     ids=lambda c: ",".join(f"{k.removesuffix('_size')}{v}" for k, v in c.items()) if isinstance(c, dict) else "",
 )
-def test_sub_mesh_membership_equals_topology_groups(ray_session, worlds, config, own_group):
+def test_sub_mesh_membership_equals_topology_groups(ray_session, world, config, own_group):
     topology = build_topology(DistributedConfig(**config))
     if own_group:
         group = RayRankGroup.for_topology(topology, OPTIONS)
@@ -77,7 +72,7 @@ def test_sub_mesh_membership_equals_topology_groups(ray_session, worlds, config,
         finally:
             group.shutdown()
     else:
-        group = worlds(topology.world_size)
+        group = world(topology.world_size)
         group.use_layout(topology)
         results = group.execute(group_members)
     assert group.topology == topology

@@ -8,6 +8,9 @@ import torch
 MOE = "moe_e8_k2_mha"  # 8 experts, top-2, 4 heads and 4 kv heads: splits 4 ways on every axis
 MASKED = {"model.layers.*.mlp.gate": "ep_router", "model.layers.*.mlp.experts": "moe_tp_experts"}
 
+# The world of 8 ranks' last user: its 8 idle ranks would cost CPU for the rest of the session (~4 minutes of it).
+pytestmark = pytest.mark.usefixtures("world_of_8_released_after")
+
 LAYOUTS = {
     # issue 6's acceptance list
     "tp2-fsdp2-ep2": {"tp_size": 2, "fsdp_size": 2, "ep_size": 2},
@@ -27,14 +30,6 @@ LAYOUTS = {
     "dp_replicate2-tp2": {"dp_replicate_size": 2, "tp_size": 2},
     "fsdp2-ep2-plan-override": {"fsdp_size": 2, "ep_size": 2, "fsdp_plan": {"model.layers.*": "keep_full_weight"}},
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def last_of_the_world_of_8(world):
-    """The session's world of 8 ranks is released after this module, its last user (its 8 idle ranks would cost CPU
-    for the rest of the session: ~4 minutes of it)."""
-    yield
-    world.release(8)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
