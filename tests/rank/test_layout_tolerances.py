@@ -32,20 +32,17 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def train(
-    hf_model, data, run, *, no_decay: tuple[str, ...] = (), scale: Callable[[int], float] = lambda step: 1.0
+    hf_model, data, run, *, decay: bool = True, scale: Callable[[int], float] = lambda step: 1.0
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The check's reference run (conftest ``reference_training``) with an error planted in :data:`PLANTED`:
-    trained in a group without weight decay (``no_decay``), or its gradient times ``scale(step)`` after backward.
+    trained without weight decay (``decay=False``), or its gradient times ``scale(step)`` after backward.
     -> (each step's gradient norm, the trained parameters)."""
     model = copy.deepcopy(hf_model).train()
     params = dict(model.named_parameters())
-    groups = [
-        {"params": [p for name, p in params.items() if name not in no_decay]},
-        {"params": [params[name] for name in no_decay], "weight_decay": 0.0},
-    ]
-    optimizer = torch.optim.AdamW(
-        [group for group in groups if group["params"]], lr=run.lr, weight_decay=run.weight_decay
-    )
+    groups = [{"params": [p for name, p in params.items() if decay or name != PLANTED]}]
+    if not decay:
+        groups.append({"params": [params[PLANTED]], "weight_decay": 0.0})
+    optimizer = torch.optim.AdamW(groups, lr=run.lr, weight_decay=run.weight_decay)
     norms = []
     for step, (ids, mask) in enumerate(data):
         model(input_ids=ids, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
@@ -74,7 +71,7 @@ def test_the_planting_run_without_an_error_is_the_reference_run(reference, layou
 @pytest.mark.parametrize(
     "planted",
     [
-        pytest.param({"no_decay": (PLANTED,)}, id="trained_without_weight_decay"),
+        pytest.param({"decay": False}, id="trained_without_weight_decay"),
         pytest.param({"scale": lambda step: 0.5 if step == 1 else 1.0}, id="gradient_halved_for_one_step"),
     ],
 )
