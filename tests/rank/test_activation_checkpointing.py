@@ -41,7 +41,9 @@ def full_weights(ctx) -> dict[str, torch.Tensor]:
 
 
 def train(load_on_world, checkpoint, layout, mode, data):
-    with load_on_world(checkpoint, {**layout, "activation_checkpointing": mode}) as model:
+    # eager even under `pytest --compiled-blocks`: the count is a forward hook inside the layer, which a compiled
+    # block runs in its graph, not as a hook (compiled checkpointing: tests/rank/test_compiled_blocks.py)
+    with load_on_world(checkpoint, {**layout, "activation_checkpointing": mode}, compile=False) as model:
         model.configure_training(lr=1e-3)
         model.run_on_ranks(count_layer_forwards)
         metrics = [model.train_step(ids, attention_mask=mask) for ids, mask in data]
