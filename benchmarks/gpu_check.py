@@ -26,7 +26,8 @@ intermediate 768):
             meter and by torch.cuda.set_sync_debug_mode("warn") (benchmarks/gpu_readiness.py)
     context     ring attention's block kernels (context parallelism, issue 32) on the device against float64
             attention: output, log-sum-exp and gradients of causal, whole and masked blocks, grouped kv heads,
-            MLA's narrower value heads, float32 and bf16; one 8k causal block timed beside SDPA
+            MLA's narrower value heads, float32 and bf16; one 8k causal block timed beside SDPA; the kernel choice
+            for grouped kv heads a compiled block makes at trace time against eager's (issue 33)
             (benchmarks/gpu_context.py)
 
 FLOPs of the block per token: routed experts 3 matmuls (gate, up, down) of 2*H*I per (token, expert)

@@ -8,7 +8,9 @@ kv heads repeated, an additive mask expanded to every head), which no test can r
 those CUDA calls against attention computed in float64 on the CPU, block by block: output, log-sum-exp and the three
 gradients, for a causal diagonal block, a whole block, a masked block (a sliding window and two documents, so some
 rows see no key), grouped kv heads and value heads narrower than the query heads (MLA), in float32 and bfloat16;
-and times one 8k x 8k causal block against ``F.scaled_dot_product_attention`` on the same inputs.
+and times one 8k x 8k causal block against ``F.scaled_dot_product_attention`` on the same inputs. Then (issue 33) the
+kernel choice for grouped kv heads that a compiled decoder block folds in at trace time, against SDPA's own choice,
+and ``grouped_attention`` compiled whole against eager.
 
     bash benchmarks/gpu_check.sh --parts context
     .venv/bin/python benchmarks/gpu_check.py --smoke --parts context     # CPU: the CPU kernels, same checks
@@ -48,7 +50,41 @@ def run_context(device: torch.device) -> dict[str, Any]:
             figures = "  ".join(f"{key} {value:.1e}" for key, value in errors.items())
             print(f"  ring block {name:<20} {rows[-1]['dtype']:<9} {figures}{'' if ok else '  FAILED'}")
     timing = _time_block(device) if device.type == "cuda" else None
-    return {"cases": rows, "all_ok": all(row["ok"] for row in rows), "timing": timing}
+    grouped = _compiled_grouped_attention(device)
+    ok = all(row["ok"] for row in rows) and all(row["ok"] for row in grouped)
+    return {"cases": rows, "compiled_grouped_attention": grouped, "all_ok": ok, "timing": timing}
+
+
+def _compiled_grouped_attention(device: torch.device) -> list[dict[str, Any]]:
+    """Grouped kv heads inside a compiled block (issue 33): the kernel choice a compiled block folds in at trace time
+    (``row_attention._choice_for_layouts``, asked of fake tensors) against SDPA's own choice on the real tensors
+    (CUDA only: on CPU the compiled block does not ask), and ``grouped_attention`` compiled whole (``fullgraph``, no
+    graph break) against eager, for a masked and a causal call in each dtype."""
+    from raymoe.models.common.row_attention import _choice_for_layouts, _layout, grouped_attention, visible_keys
+
+    gen = torch.Generator().manual_seed(3)
+    results = []
+    for dtype in [torch.float32, torch.bfloat16] if device.type == "cuda" else [torch.float32]:
+        for masked in (True, False):
+            q = torch.randn(2, 8, 256, 64, generator=gen).to(device, dtype)
+            k, v = (torch.randn(2, 2, 256, 64, generator=gen).to(device, dtype) for _ in range(2))
+            allowed = visible_keys(256, 256, 0, 128, device) if masked else None
+            row: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."), "masked": masked}
+            if device.type == "cuda":
+                layouts = tuple(None if t is None else _layout(t) for t in (q, k, v, allowed))
+                row["traced_choice"] = _choice_for_layouts(device, layouts, not masked, 0.125)
+                row["eager_choice"] = int(
+                    torch._fused_sdp_choice(q, k, v, allowed, 0.0, not masked, scale=0.125, enable_gqa=True)
+                )
+            torch._dynamo.reset()
+            compiled = torch.compile(grouped_attention, backend="aot_eager", fullgraph=True)
+            want = grouped_attention(q, k, v, 0.125, allowed, not masked).float()
+            got = compiled(q, k, v, 0.125, allowed, not masked).float()
+            row["max_error"] = float((got - want).abs().max() / want.abs().max())
+            row["ok"] = row.get("traced_choice") == row.get("eager_choice") and row["max_error"] <= TOLERANCE[dtype]
+            results.append(row)
+            print(f"  compiled grouped attention {row}{'' if row['ok'] else '  FAILED'}")
+    return results
 
 
 def _check(

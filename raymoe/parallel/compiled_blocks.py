@@ -13,7 +13,13 @@ Only ``forward`` is replaced (an instance attribute), so the hooks stay eager an
 Dynamo caches compiled code per code object, so the first layer compiles and the others reuse it while their
 guards hold (same shapes, dtypes and module structure). Where a forward cannot be traced whole (token dispatch's
 all-to-all, whose split sizes are data: :class:`~raymoe.parallel.styles.expert.EpDispatchExpertsParallel` keeps that
-forward eager), dynamo breaks the graph there and compiles the pieces on both sides.
+forward eager; the ring of context parallelism likewise), dynamo breaks the graph there and compiles the pieces on both
+sides. Nowhere else: a graph break elsewhere (an int dynamo cannot trace, a host sync) cuts the block into frames
+compiled on their own, which may recompile for every step's data, and selective activation checkpointing (its hooks
+stay eager, around the compiled forward) replays the ops the forward ran and finds each compiled region by the graph
+the forward ran, so a recompute that runs other graphs fails at the first backward.
+``tests/parallel/test_compiled_blocks.py`` holds every family to no break, ``tests/rank/test_compiled_blocks.py``
+the layouts that break by design to those breaks.
 
 Shapes are static (``dynamic=False``): a new batch shape compiles one more graph, then reuses it. Dynamo's
 ``recompile_limit`` (raised to :data:`RECOMPILE_LIMIT`) bounds how many a layer's forward may collect; past it dynamo

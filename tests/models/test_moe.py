@@ -182,3 +182,37 @@ def test_compiled_experts_keep_the_row_moves_opaque_on_cpu():
     forward = str(backend.fw_graphs[0].code)
     assert forward.count("raymoe.gather_rows") == 2, forward  # the routing weights' 1-D gather stays index_select
     assert str(backend.bw_graphs[0].code).count("raymoe.scatter_add_rows") == 2
+
+
+def test_compiled_padded_backend_is_one_op_with_its_sync_inside():
+    """Under ``torch.compile`` the padded backend runs as ``raymoe::padded_grouped_mm``: its host sync for the buffer's
+    size stays inside the op (no graph break, no graph specialised to one routing's largest count), its backward is the
+    same op over the transposed weights and ``raymoe::padded_grouped_mm_weight_grad``, and the outputs and gradients
+    are eager's (an expert without rows included)."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+    from torch._dynamo.utils import counters
+
+    from raymoe.models.moe.grouped_mm import _padded_weight_grad, _traced_padded_mm
+
+    counts = torch.tensor([3, 0, 5, 3])
+    x = torch.randn(11, 10, requires_grad=True)
+    w = torch.randn(4, 6, 10, requires_grad=True)
+    grad = torch.randn(11, 6)
+    expected = grouped_mm(x, w, counts, "padded")
+    want = torch.autograd.grad(expected, (x, w), grad)
+    torch._dynamo.reset()
+    counters.clear()
+    backend = AotEagerAndRecordGraphs()
+    compiled = torch.compile(lambda *args: grouped_mm(*args, "padded"), backend=backend, fullgraph=True)
+    got = compiled(x, w, counts)
+    assert torch.equal(got, expected)
+    for got_grad, want_grad in zip(torch.autograd.grad(got, (x, w), grad), want, strict=True):
+        torch.testing.assert_close(got_grad, want_grad)
+    compiled(x, w, torch.tensor([1, 7, 0, 3]))  # another routing, another largest count: the same graph
+    assert counters["stats"]["unique_graphs"] == 1
+    assert str(backend.fw_graphs[0].code).count("raymoe.padded_grouped_mm.default(") == 1
+    backward = str(backend.bw_graphs[0].code)
+    assert backward.count("raymoe.padded_grouped_mm.default(") == 1  # the input's gradient
+    assert backward.count("raymoe.padded_grouped_mm_weight_grad.default(") == 1
+    torch.library.opcheck(_traced_padded_mm, (x, w, counts))
+    torch.library.opcheck(_padded_weight_grad, (grad, x.detach(), counts))

@@ -70,6 +70,25 @@ def test_compiled_blocks_train_like_eager_with_one_graph_for_every_layer(tiny_ch
     assert _graphs() == (2, 0)
 
 
+def test_every_family_compiles_its_blocks_without_a_graph_break(tiny_name, tiny_checkpoint):
+    """Grouped-query attention (the kernel choice for grouped heads), sinks and windows, latent attention, shared
+    experts, dense layers and the padded grouped GEMM (the tiny shapes that ``torch._grouped_mm`` refuses) all trace:
+    a block's forward and backward are one graph per kind of layer (sliding and full attention, dense and MoE), as
+    eager computes them. Dynamo's trace alone decides this (the "eager" backend)."""
+    directory = tiny_checkpoint(tiny_name)
+    eager, compiled = load_model(directory).train(), load_model(directory).train()
+    torch._dynamo.reset()
+    counters.clear()
+    compile_blocks(compiled, "eager")
+    (ids,) = _batches(eager.config.vocab_size, [(2, 12)])
+    want, got = causal_lm_loss(eager(ids), ids), causal_lm_loss(compiled(ids), ids)
+    got.backward()
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+    graphs, breaks = _graphs()
+    assert breaks == 0, dict(counters["graph_break"])
+    assert 1 <= graphs <= 2
+
+
 def test_a_new_model_compiles_whatever_the_graphs_earlier_models_left(tiny_checkpoint):
     """Dynamo keeps graphs per code object, shared by every model's layers of a class: a model loaded after one that
     reached the recompile limit still compiles (the limit counts per load), where it would otherwise run eagerly."""

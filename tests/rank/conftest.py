@@ -250,7 +250,8 @@ def check_layout(
                 if name.endswith(zero_gradient):
                     assert (param - reference[name]).abs().max().item() <= 2 * STEPS * LR, name
                     continue
-                assert rel_error(param, reference[name].detach()) <= WEIGHT_RTOL, name
+                error = rel_error(param, reference[name].detach())
+                assert error <= WEIGHT_RTOL, (name, error)
             ids = data[0][0]
             with torch.no_grad():
                 assert (model(ids) - trained(input_ids=ids).logits).abs().max().item() <= 1e-5

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend
 
 
@@ -144,15 +145,64 @@ def grouped_attention(
     ``Hq``, which is what SDPA's math backend would do anyway, and the fused kernel runs on the copies.
     """
     groups = q_BHqSD.shape[1] // k_BHkvLD.shape[1]
-    if groups > 1:
-        choice = torch._fused_sdp_choice(
-            q_BHqSD, k_BHkvLD, v_BHkvLD, allowed, 0.0, is_causal, scale=scale, enable_gqa=True
-        )
-        if choice == SDPBackend.MATH.value:
-            k_BHkvLD, v_BHkvLD = k_BHkvLD.repeat_interleave(groups, 1), v_BHkvLD.repeat_interleave(groups, 1)
+    if groups > 1 and not _fused_kernel_takes_groups(q_BHqSD, k_BHkvLD, v_BHkvLD, scale, allowed, is_causal):
+        k_BHkvLD, v_BHkvLD = k_BHkvLD.repeat_interleave(groups, 1), v_BHkvLD.repeat_interleave(groups, 1)
     return F.scaled_dot_product_attention(
         q_BHqSD, k_BHkvLD, v_BHkvLD, attn_mask=allowed, is_causal=is_causal, scale=scale, enable_gqa=True
     )
+
+
+def _fused_kernel_takes_groups(
+    q_BHqSD: Tensor, k_BHkvLD: Tensor, v_BHkvLD: Tensor, scale: float, allowed: Tensor | None, is_causal: bool
+) -> bool:
+    """Whether SDPA runs this grouped-head call on a fused kernel (else: its math backend, which repeats the kv heads).
+
+    Eager asks SDPA's own choice. Inside a compiled block that call is a graph break (an int dynamo cannot trace), so
+    there: on CPU, yes (the compiled block calls the CPU flash kernel, which takes grouped heads, as eager does); on
+    CUDA, the same choice asked of fake tensors with the call's layouts, a constant at trace time
+    (:func:`_choice_for_layouts`)."""
+    if not torch.compiler.is_compiling():
+        choice = torch._fused_sdp_choice(
+            q_BHqSD, k_BHkvLD, v_BHkvLD, allowed, 0.0, is_causal, scale=scale, enable_gqa=True
+        )
+        return bool(choice != SDPBackend.MATH.value)
+    if q_BHqSD.device.type == "cpu":
+        return True
+    layouts = (_layout(q_BHqSD), _layout(k_BHkvLD), _layout(v_BHkvLD), None if allowed is None else _layout(allowed))
+    return bool(_choice_for_layouts(q_BHqSD.device, layouts, is_causal, scale) != SDPBackend.MATH.value)
+
+
+TensorLayout = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
+
+
+def _layout(tensor: Tensor) -> TensorLayout:
+    """``(shape, strides, dtype)``: what SDPA's choice reads of a tensor (constants for a block compiled with static
+    shapes, whose guards hold them)."""
+    return tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype
+
+
+@torch._dynamo.assume_constant_result
+def _choice_for_layouts(
+    device: torch.device,
+    layouts: tuple[TensorLayout, TensorLayout, TensorLayout, TensorLayout | None],
+    is_causal: bool,
+    scale: float,
+) -> int:
+    """SDPA's backend choice (an :class:`SDPBackend` value) for fake ``q, k, v`` and mask (None: none) of these
+    layouts on ``device``: the call the compiled SDPA will make, which a fake CUDA tensor answers by the device's own
+    rule. Dynamo runs it once while tracing and keeps the result as a constant."""
+
+    def fake(layout: TensorLayout) -> Tensor:
+        shape, strides, dtype = layout
+        return torch.empty_strided(shape, strides, dtype=dtype, device=device)
+
+    q_layout, k_layout, v_layout, mask_layout = layouts
+    with FakeTensorMode():
+        mask = None if mask_layout is None else fake(mask_layout)
+        choice = torch._fused_sdp_choice(
+            fake(q_layout), fake(k_layout), fake(v_layout), mask, 0.0, is_causal, scale=scale, enable_gqa=True
+        )
+    return int(choice)
 
 
 def visible_keys(seq: int, length: int, start: int, window: int | None, device: torch.device, first: int = 0) -> Tensor:

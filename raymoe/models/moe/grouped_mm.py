@@ -17,7 +17,9 @@ Neither loops over experts in Python.
 Under ``torch.compile`` (compiled decoder blocks), torch traces ``torch._grouped_mm`` only for bfloat16: its
 fake-tensor rule refuses float32, which runs in eager on CPU. There the GEMM goes through the custom op
 ``raymoe::grouped_mm`` (and its two backward ops), one opaque kernel in the graph that calls the same
-``torch._grouped_mm``, so a compiled block computes exactly what the eager one does.
+``torch._grouped_mm``, so a compiled block computes exactly what the eager one does. The padded backend goes through
+``raymoe::padded_grouped_mm`` (and its weight-gradient op) there: its host sync for ``C`` runs inside the op, so the
+block's graph does not break at it (a break there cuts the block into frames that recompile for every new ``C``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ def grouped_mm(x_SK: Tensor, w_ENK: Tensor, counts_E: Tensor, backend: GemmBacke
             return traced
         return torch._grouped_mm(x_SK, w_ENK.transpose(-2, -1), offs=offsets_E)
     if backend == "padded":
+        if torch.compiler.is_compiling():
+            opaque: Tensor = _traced_padded_mm(x_SK, w_ENK, counts_E)
+            return opaque
         return _padded_bmm(x_SK, w_ENK, counts_E)
     raise ValueError(f"unknown grouped GEMM backend {backend!r}; choose one of {GEMM_BACKENDS}")
 
@@ -85,16 +90,67 @@ def _aligned(x_SK: Tensor, w_ENK: Tensor, pointers: bool) -> bool:
 
 
 def _padded_bmm(x_SK: Tensor, w_ENK: Tensor, counts_E: Tensor) -> Tensor:
-    num_experts, rows = w_ENK.shape[0], x_SK.shape[0]
-    if rows == 0:
+    if x_SK.shape[0] == 0:
         return x_SK.new_zeros(0, w_ENK.shape[1])
-    capacity = int(counts_E.max())  # host sync: the buffer size depends on the routing
+    x_ECK, expert_S, slot_S = _padded_rows(x_SK, counts_E)
+    y_ECN = torch.bmm(x_ECK, w_ENK.transpose(1, 2))
+    return y_ECN[expert_S, slot_S]
+
+
+def _padded_rows(x_SK: Tensor, counts_E: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(x_ECK, expert_S, slot_S)``: row ``r`` of ``x_SK`` placed at ``[expert_S[r], slot_S[r]]`` of a zero buffer
+    ``[E, C, K]``, ``C`` the largest count (a host sync: the buffer's size depends on the routing)."""
+    num_experts, rows = counts_E.shape[0], x_SK.shape[0]
+    capacity = int(counts_E.max())
     starts_E = torch.cumsum(counts_E, dim=0) - counts_E
     expert_S = torch.repeat_interleave(torch.arange(num_experts, device=x_SK.device), counts_E, output_size=rows)
     slot_S = torch.arange(rows, device=x_SK.device) - starts_E[expert_S]
     x_ECK = x_SK.new_zeros(num_experts, capacity, x_SK.shape[1]).index_put((expert_S, slot_S), x_SK)
-    y_ECN = torch.bmm(x_ECK, w_ENK.transpose(1, 2))
-    return y_ECN[expert_S, slot_S]
+    return x_ECK, expert_S, slot_S
+
+
+@torch.library.custom_op("raymoe::padded_grouped_mm", mutates_args=())
+def _traced_padded_mm(x_SK: Tensor, w_ENK: Tensor, counts_E: Tensor) -> Tensor:
+    """The padded backend as one opaque op for the compiler: ``[S, K] x [E, N, K]`` -> ``[S, N]``."""
+    return _padded_bmm(x_SK, w_ENK, counts_E)
+
+
+@_traced_padded_mm.register_fake
+def _(x_SK: Tensor, w_ENK: Tensor, counts_E: Tensor) -> Tensor:
+    return x_SK.new_empty(x_SK.shape[0], w_ENK.shape[1])
+
+
+@torch.library.custom_op("raymoe::padded_grouped_mm_weight_grad", mutates_args=())
+def _padded_weight_grad(grad_SN: Tensor, x_SK: Tensor, counts_E: Tensor) -> Tensor:
+    """``d w [E, N, K]``: ``grad_e^T x_e`` over each expert's rows, through the padded buffers (zero for an expert
+    with no rows)."""
+    num_experts = counts_E.shape[0]
+    if x_SK.shape[0] == 0:
+        return x_SK.new_zeros(num_experts, grad_SN.shape[1], x_SK.shape[1])
+    x_ECK, _, _ = _padded_rows(x_SK, counts_E)
+    grad_ECN, _, _ = _padded_rows(grad_SN, counts_E)
+    return torch.bmm(grad_ECN.transpose(1, 2), x_ECK)
+
+
+@_padded_weight_grad.register_fake
+def _(grad_SN: Tensor, x_SK: Tensor, counts_E: Tensor) -> Tensor:
+    return grad_SN.new_empty(counts_E.shape[0], grad_SN.shape[1], x_SK.shape[1])
+
+
+def _padded_setup_context(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _padded_backward(ctx: Any, grad_SN: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+    """``d x = grad_e w_e`` (the same op, over the weights transposed) and ``d w = grad_e^T x_e``."""
+    x_SK, w_ENK, counts_E = ctx.saved_tensors
+    grad_SN = grad_SN.contiguous()
+    grad_x = _traced_padded_mm(grad_SN, w_ENK.transpose(1, 2), counts_E) if ctx.needs_input_grad[0] else None
+    grad_w = _padded_weight_grad(grad_SN, x_SK, counts_E) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_w, None
+
+
+_traced_padded_mm.register_autograd(_padded_backward, setup_context=_padded_setup_context)
 
 
 @torch.library.custom_op("raymoe::grouped_mm", mutates_args=())
