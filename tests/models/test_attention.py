@@ -194,27 +194,3 @@ def test_sink_gradient_equals_the_definition_in_a_layer():
     layer.o_proj(out.transpose(1, 2).reshape(BATCH, SEQ, -1)).square().sum().backward()
     assert sinks.grad is not None and math.isfinite(float(sinks.grad.abs().sum()))
     torch.testing.assert_close(got, sinks.grad, rtol=1e-4, atol=1e-5)
-
-
-def test_the_compiled_kernel_choice_for_grouped_heads_is_a_trace_time_constant():
-    """Inside a compiled block on CUDA, whether to repeat grouped kv heads is SDPA's choice asked of fake tensors with
-    the call's layouts: dynamo runs it while tracing and keeps the answer, so the block's graph does not break there
-    (``torch._fused_sdp_choice`` on the real tensors returns an int dynamo cannot trace). The CUDA answer itself is
-    checked on a GPU by benchmarks/gpu_context.py; here the trace, on CPU tensors."""
-    from torch._dynamo.utils import counters
-
-    from raymoe.models.common.row_attention import _choice_for_layouts, _layout
-
-    q, k = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16)
-    allowed = torch.ones(8, 8, dtype=torch.bool).tril()
-
-    def choice_times(q, k, v, allowed):
-        layouts = tuple(_layout(t) for t in (q, k, v, allowed))
-        return q * _choice_for_layouts(q.device, layouts, False, 0.25)
-
-    expected = _choice_for_layouts(q.device, tuple(_layout(t) for t in (q, k, k, allowed)), False, 0.25)
-    torch._dynamo.reset()
-    counters.clear()
-    got = torch.compile(choice_times, backend="eager", fullgraph=True)(q, k, k, allowed)
-    assert torch.equal(got, q * expected)
-    assert counters["stats"]["unique_graphs"] == 1

@@ -75,6 +75,9 @@ def dynamo_counts(ctx):
 # at functions dynamo is told not to trace, and compiles the pieces between, once for every kind of layer (gpt-oss:
 # sliding and full attention); TP-sharded grouped heads and experts (the padded grouped GEMM, whose buffer size is
 # data) break nowhere: one graph serves both layers.
+# What a break's reason names where dynamo was told not to trace: torch.compiler.disable (token dispatch's experts,
+# FSDP2's hooks) and the ring's attend, which torch's lazy disable marks as skipped.
+EAGER_BY_DESIGN = ("disable", "RingLayout.attend")
 BREAK_CASES = {
     "token-dispatch": (MOE, LAYOUTS["tp2-ep2"], 10, 3, 4),
     "ring": (GPT_OSS, {"cp_size": 2}, SEQ, 4, 5),
@@ -103,7 +106,7 @@ def test_blocks_break_their_graph_only_where_they_run_eager_code_and_never_recom
     for (_, graphs_before, breaks_before), (compiled, graphs, breaks) in zip(before, warm, strict=True):
         assert compiled
         new_breaks = {reason: n - breaks_before.get(reason, 0) for reason, n in breaks.items()}
-        assert all("disable" in reason for reason, n in new_breaks.items() if n), new_breaks
+        assert all(any(name in reason for name in EAGER_BY_DESIGN) for reason, n in new_breaks.items() if n), new_breaks
         assert sum(new_breaks.values()) <= most_breaks, new_breaks
         assert graphs - graphs_before <= most_graphs
     assert after == warm  # four more steps, four new routings: nothing recompiled

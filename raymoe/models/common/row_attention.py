@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend
 
 
@@ -159,8 +158,7 @@ def _fused_kernel_takes_groups(
 
     Eager asks SDPA's own choice. Inside a compiled block that call is a graph break (an int dynamo cannot trace), so
     there: on CPU, yes (the compiled block calls the CPU flash kernel, which takes grouped heads, as eager does); on
-    CUDA, the same choice asked of fake tensors with the call's layouts, a constant at trace time
-    (:func:`_choice_for_layouts`)."""
+    CUDA, the same choice asked of fake tensors, a constant at trace time (:mod:`.sdpa_choice`)."""
     if not torch.compiler.is_compiling():
         choice = torch._fused_sdp_choice(
             q_BHqSD, k_BHkvLD, v_BHkvLD, allowed, 0.0, is_causal, scale=scale, enable_gqa=True
@@ -168,41 +166,12 @@ def _fused_kernel_takes_groups(
         return bool(choice != SDPBackend.MATH.value)
     if q_BHqSD.device.type == "cpu":
         return True
-    layouts = (_layout(q_BHqSD), _layout(k_BHkvLD), _layout(v_BHkvLD), None if allowed is None else _layout(allowed))
-    return bool(_choice_for_layouts(q_BHqSD.device, layouts, is_causal, scale) != SDPBackend.MATH.value)
+    # imported here, while dynamo traces: the module loads torch._dynamo, which an eager process never needs
+    from raymoe.models.common.sdpa_choice import choice_for_layouts, tensor_layout
 
-
-TensorLayout = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
-
-
-def _layout(tensor: Tensor) -> TensorLayout:
-    """``(shape, strides, dtype)``: what SDPA's choice reads of a tensor (constants for a block compiled with static
-    shapes, whose guards hold them)."""
-    return tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype
-
-
-@torch._dynamo.assume_constant_result
-def _choice_for_layouts(
-    device: torch.device,
-    layouts: tuple[TensorLayout, TensorLayout, TensorLayout, TensorLayout | None],
-    is_causal: bool,
-    scale: float,
-) -> int:
-    """SDPA's backend choice (an :class:`SDPBackend` value) for fake ``q, k, v`` and mask (None: none) of these
-    layouts on ``device``: the call the compiled SDPA will make, which a fake CUDA tensor answers by the device's own
-    rule. Dynamo runs it once while tracing and keeps the result as a constant."""
-
-    def fake(layout: TensorLayout) -> Tensor:
-        shape, strides, dtype = layout
-        return torch.empty_strided(shape, strides, dtype=dtype, device=device)
-
-    q_layout, k_layout, v_layout, mask_layout = layouts
-    with FakeTensorMode():
-        mask = None if mask_layout is None else fake(mask_layout)
-        choice = torch._fused_sdp_choice(
-            fake(q_layout), fake(k_layout), fake(v_layout), mask, 0.0, is_causal, scale=scale, enable_gqa=True
-        )
-    return int(choice)
+    mask_layout = None if allowed is None else tensor_layout(allowed)
+    layouts = (tensor_layout(q_BHqSD), tensor_layout(k_BHkvLD), tensor_layout(v_BHkvLD), mask_layout)
+    return bool(choice_for_layouts(q_BHqSD.device, layouts, is_causal, scale) != SDPBackend.MATH.value)
 
 
 def visible_keys(seq: int, length: int, start: int, window: int | None, device: torch.device, first: int = 0) -> Tensor:
