@@ -106,7 +106,7 @@ def test_blocks_break_their_graph_only_where_they_run_eager_code_and_never_recom
     for (_, graphs_before, breaks_before), (compiled, graphs, breaks) in zip(before, warm, strict=True):
         assert compiled
         new_breaks = {reason: n - breaks_before.get(reason, 0) for reason, n in breaks.items()}
-        assert all(any(name in reason for name in EAGER_BY_DESIGN) for reason, n in new_breaks.items() if n), new_breaks
+        assert all(any(mark in reason for mark in EAGER_BY_DESIGN) for reason, n in new_breaks.items() if n), new_breaks
         assert sum(new_breaks.values()) <= most_breaks, new_breaks
         assert graphs - graphs_before <= most_graphs
     assert after == warm  # four more steps, four new routings: nothing recompiled

@@ -24,7 +24,7 @@ block's graph does not break at it (a break there cuts the block into frames tha
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 from torch import Tensor
@@ -92,21 +92,35 @@ def _aligned(x_SK: Tensor, w_ENK: Tensor, pointers: bool) -> bool:
 def _padded_bmm(x_SK: Tensor, w_ENK: Tensor, counts_E: Tensor) -> Tensor:
     if x_SK.shape[0] == 0:
         return x_SK.new_zeros(0, w_ENK.shape[1])
-    x_ECK, expert_S, slot_S = _padded_rows(x_SK, counts_E)
-    y_ECN = torch.bmm(x_ECK, w_ENK.transpose(1, 2))
-    return y_ECN[expert_S, slot_S]
+    slots = _padded_slots(counts_E, x_SK.shape[0])
+    y_ECN = torch.bmm(slots.place(x_SK), w_ENK.transpose(1, 2))
+    return y_ECN[slots.expert_S, slots.slot_S]
 
 
-def _padded_rows(x_SK: Tensor, counts_E: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(x_ECK, expert_S, slot_S)``: row ``r`` of ``x_SK`` placed at ``[expert_S[r], slot_S[r]]`` of a zero buffer
-    ``[E, C, K]``, ``C`` the largest count (a host sync: the buffer's size depends on the routing)."""
-    num_experts, rows = counts_E.shape[0], x_SK.shape[0]
+class _PaddedSlots(NamedTuple):
+    """Where row ``r`` of an expert-sorted ``[S, *]`` tensor goes in a zero buffer ``[E, C, *]``: ``[expert_S[r],
+    slot_S[r]]``, ``C`` the largest count."""
+
+    num_experts: int
+    capacity: int
+    expert_S: Tensor
+    slot_S: Tensor
+
+    def place(self, x_SK: Tensor) -> Tensor:
+        """``x_ECK``: the rows of ``x_SK`` in their slots, zeros elsewhere."""
+        buffer = x_SK.new_zeros(self.num_experts, self.capacity, x_SK.shape[1])
+        return buffer.index_put((self.expert_S, self.slot_S), x_SK)
+
+
+def _padded_slots(counts_E: Tensor, rows: int) -> _PaddedSlots:
+    """The slots of ``rows`` expert-sorted rows, ``counts_E`` per expert (a host sync for ``C``: the buffer's size
+    depends on the routing)."""
+    num_experts = counts_E.shape[0]
     capacity = int(counts_E.max())
     starts_E = torch.cumsum(counts_E, dim=0) - counts_E
-    expert_S = torch.repeat_interleave(torch.arange(num_experts, device=x_SK.device), counts_E, output_size=rows)
-    slot_S = torch.arange(rows, device=x_SK.device) - starts_E[expert_S]
-    x_ECK = x_SK.new_zeros(num_experts, capacity, x_SK.shape[1]).index_put((expert_S, slot_S), x_SK)
-    return x_ECK, expert_S, slot_S
+    expert_S = torch.repeat_interleave(torch.arange(num_experts, device=counts_E.device), counts_E, output_size=rows)
+    slot_S = torch.arange(rows, device=counts_E.device) - starts_E[expert_S]
+    return _PaddedSlots(num_experts, capacity, expert_S, slot_S)
 
 
 @torch.library.custom_op("raymoe::padded_grouped_mm", mutates_args=())
@@ -127,9 +141,8 @@ def _padded_weight_grad(grad_SN: Tensor, x_SK: Tensor, counts_E: Tensor) -> Tens
     num_experts = counts_E.shape[0]
     if x_SK.shape[0] == 0:
         return x_SK.new_zeros(num_experts, grad_SN.shape[1], x_SK.shape[1])
-    x_ECK, _, _ = _padded_rows(x_SK, counts_E)
-    grad_ECN, _, _ = _padded_rows(grad_SN, counts_E)
-    return torch.bmm(grad_ECN.transpose(1, 2), x_ECK)
+    slots = _padded_slots(counts_E, x_SK.shape[0])  # one sync for both buffers
+    return torch.bmm(slots.place(grad_SN).transpose(1, 2), slots.place(x_SK))
 
 
 @_padded_weight_grad.register_fake
