@@ -5,6 +5,11 @@ Named shapes (``SHAPES``) span what MoE models look like, scaled to a 2-core CPU
     few-large    8 experts top-2, wide experts (moe_intermediate 512): Mixtral-like
     many-small   64 experts top-8, narrow experts (moe_intermediate 64): DeepSeek / Qwen3-30B-A3B-like
     dense-heavy  half the layers dense with a wide MLP (intermediate 2048), 8 experts top-2 on the rest
+
+These three attend with 4 heads, each with its own keys and values (``MATRIX_SHAPES``, the matrix's default). Real
+MoE models group their query heads on fewer key/value heads (Qwen3-30B-A3B: 32 on 4, Mixtral 32 on 8, gpt-oss 64 on 8);
+``few-large-gqa`` and ``many-small-gqa`` are the first two with 8 query heads on 2 kv heads
+(head_dim 32), which a benchmark runs when named (``--shapes many-small-gqa``).
 """
 
 from __future__ import annotations
@@ -52,7 +57,10 @@ SHAPES = {
     "few-large": Shape(experts=8, top_k=2, moe_intermediate=512),
     "many-small": Shape(experts=64, top_k=8, moe_intermediate=64),
     "dense-heavy": Shape(experts=8, top_k=2, moe_intermediate=128, intermediate=2048, dense_layers=(0, 2)),
+    "few-large-gqa": Shape(experts=8, top_k=2, moe_intermediate=512, heads=8, kv_heads=2),
+    "many-small-gqa": Shape(experts=64, top_k=8, moe_intermediate=64, heads=8, kv_heads=2),
 }
+MATRIX_SHAPES = ("few-large", "many-small", "dense-heavy")
 
 
 def add_shape_args(parser: argparse.ArgumentParser, *, heads: int, kv_heads: int) -> None:

@@ -64,7 +64,7 @@ from typing import Any
 
 import _peak_memory
 import torch
-from _model_shape import SHAPES, Shape, save_checkpoint
+from _model_shape import MATRIX_SHAPES, SHAPES, Shape, save_checkpoint
 
 from raymoe import DistributedConfig
 
@@ -416,7 +416,7 @@ def write(rows: list[Row], args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=list(MATRIX_SHAPES), choices=list(SHAPES))
     parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4], choices=[2, 4])
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument(

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _model_shape import SHAPES, Shape, save_checkpoint
+from _model_shape import MATRIX_SHAPES, SHAPES, Shape, save_checkpoint
 
 from raymoe import DistributedConfig
 
@@ -177,7 +177,7 @@ def markdown(rows: list[Row], args: argparse.Namespace) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=list(MATRIX_SHAPES), choices=list(SHAPES))
     parser.add_argument("--layouts", nargs="+", default=None, help="names from the list above (default: all)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)

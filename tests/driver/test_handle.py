@@ -7,6 +7,13 @@ import raymoe
 
 MOE = "moe_e5_k3_gqa2_dense_mid"
 LR, WEIGHT_DECAY, STEPS = 1e-2, 0.1, 3
+# Trained weights, norm-relative: the layout tests' bound (tests/rank/conftest.py, WEIGHT_RTOL, which says why). Here
+# element 1528 of the first layer's experts.down_proj has a first-step gradient of 1.7e-8 (the tensor's median:
+# 1.8e-4), at AdamW's eps, where the update turns the gradient's rounding into weight: it is the element where
+# transformers itself trained in float32 ends farthest from float64 (3.6e-6), and compiled blocks (pytest
+# --compiled-blocks), whose fused kernels round differently, leave it 2.2e-5 from the reference, 1.6e-5 of the
+# tensor's norm (eager: 2.5e-6 of it). A parameter trained without weight decay would end 3e-3 away.
+WEIGHT_RTOL = 2e-5
 
 
 def batches(vocab, seed=0):
@@ -60,7 +67,7 @@ def test_logits_training_and_save_equal_one_process(
         trained = load_hf_model(tmp_path / "out")
         reference = dict(ref_model.named_parameters())
         for name, param in trained.named_parameters():
-            assert_close_rel(param, reference[name].detach(), 1e-5, name)
+            assert_close_rel(param, reference[name].detach(), WEIGHT_RTOL, name)
         with torch.no_grad():
             assert (model(ids) - trained(input_ids=ids).logits).abs().max().item() <= 1e-5
 
