@@ -8,6 +8,7 @@ Timed, forward + backward (input and weight gradients) of ``gate_up [E, 2I, H]``
 
     grouped_mm   raymoe.models.moe.grouped_mm's ``torch._grouped_mm`` backend (what a CPU or bf16 CUDA rank runs)
     padded       its padded backend: every expert's rows in an ``[E, C, K]`` buffer, one batched matmul
+                 (alone where torch._grouped_mm refuses the device and dtype: float32 on CUDA)
     one GEMM     the same FLOPs as two plain matmuls over all rows (``[S, H] x [H, 2I]``, ``[S, I] x [I, H]``):
                  what the work would cost if the experts were one weight, the ceiling of any grouped kernel
 
@@ -27,7 +28,7 @@ from _model_shape import SHAPES, Shape
 from bench_layouts import matmul_peak_flops
 
 from raymoe.models.moe.experts import tokens_per_expert
-from raymoe.models.moe.grouped_mm import grouped_mm
+from raymoe.models.moe.grouped_mm import grouped_mm, select_gemm_backend
 
 
 def expert_rows(shape: Shape, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +61,8 @@ def ways(shape: Shape, x: torch.Tensor, counts: torch.Tensor) -> dict[str, Calla
         middle = (xs @ w1)[:, :inter]
         (middle.contiguous() @ w2).backward(grad_out)
 
-    return {"grouped_mm": grouped("grouped_mm"), "padded": grouped("padded"), "one GEMM": one_gemm}
+    backends = ["grouped_mm", "padded"] if select_gemm_backend(x, gate_up) == "grouped_mm" else ["padded"]
+    return {**{backend: grouped(backend) for backend in backends}, "one GEMM": one_gemm}
 
 
 def best_seconds(calls_of: dict[str, Callable[[], None]], calls: int, device: torch.device) -> dict[str, float]:
