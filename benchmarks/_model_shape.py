@@ -8,8 +8,8 @@ Named shapes (``SHAPES``) span what MoE models look like, scaled to a 2-core CPU
 
 These three attend with 4 heads, each with its own keys and values (``MATRIX_SHAPES``, the matrix's default). Real
 MoE models group their query heads on fewer key/value heads (Qwen3-30B-A3B: 32 on 4, Mixtral 32 on 8, gpt-oss 64 on 8);
-``few-large-gqa`` and ``many-small-gqa`` are the first two with 8 query heads on 2 kv heads
-(head_dim 32), which a benchmark runs when named (``--shapes many-small-gqa``).
+``few-large-gqa`` and ``many-small-gqa`` are the first two with 8 query heads on 2 kv heads (head_dim 32), which a
+benchmark runs when named (``--shapes many-small-gqa``).
 """
 
 from __future__ import annotations
