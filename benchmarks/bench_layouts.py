@@ -141,10 +141,11 @@ def flops_per_token(shape: Shape) -> float:
     return 6 * (weights + shape.vocab * shape.hidden) + 6 * scores
 
 
-def matmul_peak_flops(size: int = 2048, repeats: int = 10) -> float:
-    """The machine's fp32 GEMM FLOP/s: the best of ``repeats`` ``size^3`` products (every CPU thread, or the GPU)."""
+def matmul_peak_flops(size: int = 2048, repeats: int = 10, dtype: torch.dtype = torch.float32) -> float:
+    """The machine's GEMM FLOP/s in ``dtype``: the best of ``repeats`` ``size^3`` products (every CPU thread, or the
+    GPU)."""
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
     best = float("inf")
     for _ in range(repeats + 1):
         began = time.perf_counter()
