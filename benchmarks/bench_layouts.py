@@ -22,14 +22,14 @@ machine's state:
                               one thread); a world larger than the machine's cores shares them.
 
 tokens/s is global tokens per second of wall time per optimizer step (median over the timed steps, after
-``--warmup``); each distributed row is the best of ``--rounds`` rounds, its systems alternating. Peak
-memory is per rank during the timed steps (RSS on CPU, ``torch.cuda.max_memory_allocated`` on GPU;
-``_peak_memory.py``), and so is its growth over the memory in use when they began (activations, gradients
-and temporaries of a step: weights and optimizer state are already there); the table shows the largest
-rank's. One-process rows get every CPU as torch threads, distributed rows one thread per rank. The
-activation-checkpointing rows train raymoe's fsdp layout at world 2 under ``none | full | selective`` on a
-longer batch (``--ac-batch`` x ``--ac-seq``), where activations outweigh the process's baseline; their
-ratio is to ``ac=none``.
+``--warmup``); each one-process and distributed row is the best of ``--rounds`` rounds, the systems of
+its shape (one process) or layout alternating. Peak memory is per rank during the timed steps (RSS on CPU,
+``torch.cuda.max_memory_allocated`` on GPU; ``_peak_memory.py``), and so is its growth over the memory in use
+when they began (activations, gradients and temporaries of a step: weights and optimizer state are already
+there); the table shows the largest rank's. One-process rows get every CPU as torch threads, distributed rows
+one thread per rank. The activation-checkpointing rows train raymoe's fsdp layout at world 2 under ``none |
+full | selective`` on a longer batch (``--ac-batch`` x ``--ac-seq``), where activations outweigh the process's
+baseline; their ratio is to ``ac=none``.
 
 "of peak" is a row's achieved model FLOP/s over the machine's fp32 matmul peak, measured at the start of the run (the
 best of a few 2048^3 GEMMs on every CPU thread, or on the GPU): counted FLOPs are 6 per active matmul weight per token
@@ -278,8 +278,9 @@ def run_matrix(args: argparse.Namespace) -> list[Row]:
                 one_process["transformers compiled"] = partial(transformers_run, directory, {}, shape, args, True)
             if args.compile:
                 one_process["raymoe compiled"] = partial(raymoe_one_process, directory, shape, args, compiled=True)
-            for system, run in one_process.items():
-                measure(rows, (shape_name, "one process", system), 1, run, shape, args)
+            for _ in range(args.rounds):  # alternating, as a layout's systems: one run moves a ratio by 0.1 here
+                for system, run in one_process.items():
+                    measure(rows, (shape_name, "one process", system), 1, run, shape, args)
             for world in args.worlds:  # the ceiling of a world: its ranks' compute alone, as global tokens/s
                 share = partial(rank_share, directory, shape, world, args)
                 measure(rows, (shape_name, share_row(world), "raymoe"), world, share, shape, args)
