@@ -150,7 +150,8 @@ def _(grad_SN: Tensor, x_SK: Tensor, counts_E: Tensor) -> Tensor:
     return grad_SN.new_empty(counts_E.shape[0], grad_SN.shape[1], x_SK.shape[1])
 
 
-def _padded_setup_context(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:
+def _save_inputs(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:
+    """Both custom GEMMs' ``setup_context``: their backward reads all three inputs (rows, weights, the grouping)."""
     ctx.save_for_backward(*inputs)
 
 
@@ -163,7 +164,7 @@ def _padded_backward(ctx: Any, grad_SN: Tensor) -> tuple[Tensor | None, Tensor |
     return grad_x, grad_w, None
 
 
-_traced_padded_mm.register_autograd(_padded_backward, setup_context=_padded_setup_context)
+_traced_padded_mm.register_autograd(_padded_backward, setup_context=_save_inputs)
 
 
 @torch.library.custom_op("raymoe::grouped_mm", mutates_args=())
@@ -199,11 +200,6 @@ def _(grad_SN: Tensor, x_SK: Tensor, offsets_E: Tensor) -> Tensor:
     return grad_SN.new_empty(offsets_E.shape[0], grad_SN.shape[1], x_SK.shape[1])
 
 
-def _setup_context(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:
-    x_SK, w_ENK, offsets_E = inputs
-    ctx.save_for_backward(x_SK, w_ENK, offsets_E)
-
-
 def _backward(ctx: Any, grad_SN: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
     x_SK, w_ENK, offsets_E = ctx.saved_tensors
     grad_SN = grad_SN.contiguous()
@@ -212,4 +208,4 @@ def _backward(ctx: Any, grad_SN: Tensor) -> tuple[Tensor | None, Tensor | None, 
     return grad_x, grad_w, None
 
 
-_traced_grouped_mm.register_autograd(_backward, setup_context=_setup_context)
+_traced_grouped_mm.register_autograd(_backward, setup_context=_save_inputs)
