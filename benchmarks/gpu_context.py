@@ -61,7 +61,7 @@ def _compiled_grouped_attention(device: torch.device) -> list[dict[str, Any]]:
     (CUDA only: on CPU the compiled block does not ask), and ``grouped_attention`` compiled whole (``fullgraph``, no
     graph break) against eager, for a masked and a causal call in each dtype."""
     from raymoe.models.common.row_attention import grouped_attention, visible_keys
-    from raymoe.models.common.sdpa_choice import choice_for_layouts, tensor_layout
+    from raymoe.models.common.sdpa_choice import call_layouts, choice_for_layouts
 
     gen = torch.Generator().manual_seed(3)
     results = []
@@ -72,8 +72,7 @@ def _compiled_grouped_attention(device: torch.device) -> list[dict[str, Any]]:
             allowed = visible_keys(256, 256, 0, 128, device) if masked else None
             row: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."), "masked": masked}
             if device.type == "cuda":
-                layouts = tuple(None if t is None else tensor_layout(t) for t in (q, k, v, allowed))
-                row["traced_choice"] = choice_for_layouts(device, layouts, not masked, 0.125)
+                row["traced_choice"] = choice_for_layouts(device, call_layouts(q, k, v, allowed), not masked, 0.125)
                 row["eager_choice"] = int(
                     torch._fused_sdp_choice(q, k, v, allowed, 0.0, not masked, scale=0.125, enable_gqa=True)
                 )

@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch.nn.attention import SDPBackend
 
-from raymoe.models.common.sdpa_choice import choice_for_layouts, tensor_layout
+from raymoe.models.common.sdpa_choice import call_layouts, choice_for_layouts
 
 
 def test_the_choice_is_a_constant_dynamo_folds_in_while_tracing():
@@ -19,10 +19,9 @@ def test_the_choice_is_a_constant_dynamo_folds_in_while_tracing():
     allowed = torch.ones(8, 8, dtype=torch.bool).tril()
 
     def choice_times(q, k, v, allowed):
-        layouts = tuple(tensor_layout(t) for t in (q, k, v, allowed))
-        return q * choice_for_layouts(q.device, layouts, False, 0.25)
+        return q * choice_for_layouts(q.device, call_layouts(q, k, v, allowed), False, 0.25)
 
-    expected = choice_for_layouts(q.device, tuple(tensor_layout(t) for t in (q, k, k, allowed)), False, 0.25)
+    expected = choice_for_layouts(q.device, call_layouts(q, k, k, allowed), False, 0.25)
     assert isinstance(expected, int) and expected != SDPBackend.ERROR.value
     torch._dynamo.reset()
     counters.clear()

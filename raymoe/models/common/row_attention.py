@@ -167,10 +167,9 @@ def _fused_kernel_takes_groups(
     if q_BHqSD.device.type == "cpu":
         return True
     # imported here, while dynamo traces: the module loads torch._dynamo, which an eager process never needs
-    from raymoe.models.common.sdpa_choice import choice_for_layouts, tensor_layout
+    from raymoe.models.common.sdpa_choice import call_layouts, choice_for_layouts
 
-    mask_layout = None if allowed is None else tensor_layout(allowed)
-    layouts = (tensor_layout(q_BHqSD), tensor_layout(k_BHkvLD), tensor_layout(v_BHkvLD), mask_layout)
+    layouts = call_layouts(q_BHqSD, k_BHkvLD, v_BHkvLD, allowed)
     return bool(choice_for_layouts(q_BHqSD.device, layouts, is_causal, scale) != SDPBackend.MATH.value)
 
 

@@ -17,6 +17,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 TensorLayout = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
+CallLayouts = tuple[TensorLayout, TensorLayout, TensorLayout, TensorLayout | None]
 
 
 def tensor_layout(tensor: Tensor) -> TensorLayout:
@@ -24,10 +25,15 @@ def tensor_layout(tensor: Tensor) -> TensorLayout:
     return tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype
 
 
+def call_layouts(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> CallLayouts:
+    """The layouts of one SDPA call's ``q, k, v`` and mask (None: no mask), as :func:`choice_for_layouts` takes them."""
+    return tensor_layout(q), tensor_layout(k), tensor_layout(v), None if mask is None else tensor_layout(mask)
+
+
 @torch.compiler.assume_constant_result
 def choice_for_layouts(
     device: torch.device,
-    layouts: tuple[TensorLayout, TensorLayout, TensorLayout, TensorLayout | None],
+    layouts: CallLayouts,
     is_causal: bool,
     scale: float,
 ) -> int:
