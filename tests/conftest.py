@@ -88,6 +88,10 @@ os.environ.update(
 # started for one file (18 of the 20 s of test_ray_data's Parquet test). Two do it here; set before Ray starts, as
 # the pool is made in a Ray task.
 os.environ.setdefault("RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", "2")
+# Ray starts two idle Python workers when the first driver connects, for tasks; none of the session's Ray runs a task
+# until test_ray_data, and rank actors get processes of their own. Idle, each wakes 100 times a second (0.008-0.012
+# CPU-seconds a second here, ~10 CPU-seconds over the session). Set before Ray starts (the raylet reads it).
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 
 RAY_TEST_CPUS = 16  # logical CPUs: the shared worlds below plus 8-rank groups of their own, on 2 cores
 WORLD_CPUS_PER_RANK = 0.25  # the shared worlds' 15 ranks hold 3.75 logical CPUs, leaving 12 for other groups
@@ -95,10 +99,37 @@ WORLD_CPUS_PER_RANK = 0.25  # the shared worlds' 15 ranks hold 3.75 logical CPUs
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test that uses Ray is marked ``ray`` (``make test-fast`` deselects them; ``make test`` runs them and the
-    rest of the suite as two pytest sessions side by side)."""
+    rest of the suite as two pytest sessions side by side). The modules marked ``world_of_8`` run as one block."""
     for item in items:
         if {"ray_session", "world"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ray)
+    items[:] = world_of_8_as_one_block(items)
+
+
+def world_of_8_as_one_block(items: list[pytest.Item]) -> list[pytest.Item]:
+    """``items`` with those of the modules marked ``world_of_8`` moved together, in their order, to where the last
+    such module ran: the session's world of 8 ranks starts once (~35 CPU-seconds on 2 cores, 8 rank processes) and
+    is shut down after the block (:func:`pytest_runtest_teardown`), instead of idling between its users or starting
+    again for each (test_group in tests/actors, test_footprint and test_layouts in tests/rank)."""
+    block = [item for item in items if item.get_closest_marker("world_of_8")]
+    if not block:
+        return items
+    last_module = block[-1].path
+    first_of_last = next(index for index, item in enumerate(items) if item.path == last_module)
+    before = [item for item in items[:first_of_last] if not item.get_closest_marker("world_of_8")]
+    after = [item for item in items[first_of_last:] if not item.get_closest_marker("world_of_8")]
+    return before + block + after
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """After the ``world_of_8`` block's last test (and its fixtures' teardown), the world of 8 ranks is shut down: no
+    test asks for it again, and its idle ranks would cost CPU for the rest of the session."""
+    result = yield
+    leaves_block = nextitem is None or not nextitem.get_closest_marker("world_of_8")
+    if item.get_closest_marker("world_of_8") and leaves_block and _SHARED_WORLDS:
+        _SHARED_WORLDS[0].release(8)
+    return result
 
 
 @pytest.fixture(scope="session")
@@ -152,16 +183,13 @@ def world(ray_session):
     ``shutdown`` unloads it. A world that a rank failure ended is started again on the next request.
     """
     shared = SharedWorlds()
+    _SHARED_WORLDS.append(shared)
     yield shared
+    _SHARED_WORLDS.remove(shared)
     shared.shutdown()
 
 
-@pytest.fixture(scope="module")
-def world_of_8_released_after(world):
-    """A module that uses this (``pytestmark = pytest.mark.usefixtures(...)``) shuts the session's world of 8 ranks
-    down after its last test: no test asks for that world again for a long while (:class:`SharedWorlds`)."""
-    yield
-    world.release(8)
+_SHARED_WORLDS: list[SharedWorlds] = []  # the session's, for pytest_runtest_teardown to release the world of 8
 
 
 class SharedWorlds:

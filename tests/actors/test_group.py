@@ -17,9 +17,9 @@ from raymoe.spec.topology import Axis
 # Rank functions below travel to the actors by value: test modules are not importable there.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-# The world of 8 ranks' next users (tests/rank/test_footprint.py, test_layouts.py) come most of the session later, when
-# its 8 idle ranks would have cost more CPU than starting it again.
-pytestmark = pytest.mark.usefixtures("world_of_8_released_after")
+# Runs in one block with the world of 8 ranks' other users (tests/rank/test_footprint.py, test_layouts.py), in the
+# session's rank tests: that world starts once (tests/conftest.py).
+pytestmark = pytest.mark.world_of_8
 
 OPTIONS = GroupOptions(collective_timeout_s=60, placement_timeout_s=30)
 

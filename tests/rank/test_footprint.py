@@ -12,6 +12,8 @@ from raymoe.rank.fake import fake_world
 from raymoe.rank.footprint import held_memory
 from raymoe.spec.config import DistributedConfig
 
+pytestmark = pytest.mark.world_of_8  # one block with the world of 8 ranks' other users (tests/conftest.py)
+
 MOE = "moe_e8_k2_mha"
 MASKED = {"model.layers.*.mlp.gate": "ep_router", "model.layers.*.mlp.experts": "moe_tp_experts"}
 ROWS, SEQ = 4, 8

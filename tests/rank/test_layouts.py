@@ -8,8 +8,7 @@ import torch
 MOE = "moe_e8_k2_mha"  # 8 experts, top-2, 4 heads and 4 kv heads: splits 4 ways on every axis
 MASKED = {"model.layers.*.mlp.gate": "ep_router", "model.layers.*.mlp.experts": "moe_tp_experts"}
 
-# The world of 8 ranks' last user: its 8 idle ranks would cost CPU for the rest of the session (~4 minutes of it).
-pytestmark = pytest.mark.usefixtures("world_of_8_released_after")
+pytestmark = pytest.mark.world_of_8  # one block with the world of 8 ranks' other users (tests/conftest.py)
 
 LAYOUTS = {
     # issue 6's acceptance list
