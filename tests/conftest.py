@@ -90,7 +90,7 @@ os.environ.update(
 os.environ.setdefault("RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", "2")
 # Ray starts two idle Python workers when the first driver connects, for tasks; none of the session's Ray runs a task
 # until test_ray_data, and rank actors get processes of their own. Idle, each wakes 100 times a second (0.008-0.012
-# CPU-seconds a second here, ~10 CPU-seconds over the session). Set before Ray starts (the raylet reads it).
+# CPU-seconds a second; the two, ~15-20 CPU-seconds over a session). Set before Ray starts (the raylet reads it).
 os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 
 RAY_TEST_CPUS = 16  # logical CPUs: the shared worlds below plus 8-rank groups of their own, on 2 cores
