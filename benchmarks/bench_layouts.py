@@ -247,6 +247,22 @@ def measure(
         print(f"  {key}: {row.error}", flush=True)
 
 
+def measure_alternating(
+    rows: dict[tuple[str, str, str], Row],
+    shape_name: str,
+    row_name: str,
+    world: int,
+    systems: dict[str, Any],
+    shape: Shape,
+    args: argparse.Namespace,
+) -> None:
+    """Each of ``systems`` (name -> run) on the row ``row_name``, ``--rounds`` rounds with the systems alternating;
+    each system's row keeps its best round."""
+    for _ in range(args.rounds):
+        for system, run in systems.items():
+            measure(rows, (shape_name, row_name, system), world, run, shape, args)
+
+
 def cause(message: str) -> str:
     """The line of a failed run's output that names the error (the last with "Error" that is not torchrun's
     summary of a failed child), else its last line."""
@@ -278,9 +294,8 @@ def run_matrix(args: argparse.Namespace) -> list[Row]:
                 one_process["transformers compiled"] = partial(transformers_run, directory, {}, shape, args, True)
             if args.compile:
                 one_process["raymoe compiled"] = partial(raymoe_one_process, directory, shape, args, compiled=True)
-            for _ in range(args.rounds):  # alternating, as a layout's systems: one run moves a ratio by 0.1 here
-                for system, run in one_process.items():
-                    measure(rows, (shape_name, "one process", system), 1, run, shape, args)
+            # alternating, as a layout's systems: one run moves a ratio by 0.1 here
+            measure_alternating(rows, shape_name, "one process", 1, one_process, shape, args)
             for world in args.worlds:  # the ceiling of a world: its ranks' compute alone, as global tokens/s
                 share = partial(rank_share, directory, shape, world, args)
                 measure(rows, (shape_name, share_row(world), "raymoe"), world, share, shape, args)
@@ -309,9 +324,7 @@ def measure_layout(
     if args.reshard_always:
         always = {**layout, "fsdp_reshard_after_forward": "always"}
         systems[RESHARD_ALWAYS] = partial(raymoe_on_ray, directory, always, shape, args)
-    for _ in range(args.rounds):
-        for system, run in systems.items():
-            measure(rows, (shape_name, name, system), world_of(layout), run, shape, args)
+    measure_alternating(rows, shape_name, name, world_of(layout), systems, shape, args)
     measured = ", ".join(f"{r.system} {r.tokens_per_s:.0f}" for k, r in rows.items() if k[:2] == (shape_name, name))
     print(f"  {name}: {measured}", flush=True)
 
