@@ -12,22 +12,15 @@ STAMP := $(VENV)/.installed
 # rest of the suite, which alone keeps 2 cores only partly busy (one test process, Python-bound). The rest runs at
 # niceness 10: it takes the cores when the Ray tests leave them idle (a rank process starting, a test waiting for a
 # timeout) rather than slowing the Ray tests, the longer part. Each session picks its servers' ports from its own
-# half (RAYMOE_TEST_PORTS); the rest's report follows the Ray tests' one. The lint: ruff first (seconds), then mypy
-# beside the tests at niceness 10, as the rest: on a fresh clone (no .mypy_cache) it is ~26 s of one core, which ran
-# before the tests as `make lint` and now ends long before the Ray tests do; its report comes last, and a type error
-# still fails `make test`. Ctrl-C ends all three (a shell's background job ignores SIGINT, so the trap sends it
-# SIGTERM; nice execs pytest and mypy, so each $! is their pid).
-test: compiled
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
+# half (RAYMOE_TEST_PORTS); the rest's report follows the Ray tests' one. Ctrl-C ends both (a shell's background job
+# ignores SIGINT, so the trap sends it SIGTERM; nice execs pytest, so $! is pytest's pid).
+test: lint compiled
 	@RAYMOE_TEST_PORTS=1/2 nice -n 10 $(BIN)/pytest -m "not ray" > .pytest-rest.log 2>&1 & rest=$$!; \
-	nice -n 10 $(BIN)/mypy > .mypy.log 2>&1 & types=$$!; \
-	trap 'kill $$rest $$types 2>/dev/null' INT TERM; \
+	trap 'kill $$rest 2>/dev/null' INT TERM; \
 	RAYMOE_TEST_PORTS=0/2 $(BIN)/pytest -m ray; ray_tests=$$?; \
-	wait $$rest; rest_tests=$$?; wait $$types; types_rc=$$?; trap - INT TERM; \
+	wait $$rest; rest_tests=$$?; trap - INT TERM; \
 	echo "=== the rest of the suite (pytest -m 'not ray', run beside the Ray tests) ==="; cat .pytest-rest.log; \
-	echo "=== mypy (run beside the Ray tests) ==="; cat .mypy.log; \
-	test $$ray_tests -eq 0 -a $$rest_tests -eq 0 -a $$types_rc -eq 0
+	test $$ray_tests -eq 0 -a $$rest_tests -eq 0
 
 # Bytecode for this checkout too: every rank process imports raymoe, actors and (the gloo harness) test files.
 compiled: $(STAMP)
