@@ -1,13 +1,14 @@
 """``uv pip install ARGS`` into this interpreter's environment, from the package sources pip is configured with.
 
 ``make install`` installs with uv (a pinned wheel from the registry) rather than pip: the same packages at the same
-versions, in ~8 s instead of ~62 s on 2 cores (pip unpacks one wheel at a time). uv reads none of pip's configuration
-(pip.conf files, ``PIP_*`` variables), so the settings that say where packages come from and which are allowed are
-read from ``pip config list`` and handed on, pip's precedence kept (a variable over the ``install`` section over
-``global``):
+versions, in ~8 s instead of ~62 s on 2 cores (pip fetches and unpacks one wheel at a time, uv in parallel). uv
+reads none of pip's configuration (pip.conf files, ``PIP_*`` variables), so the settings that say where packages
+come from and which are allowed are read from ``pip config list`` and handed on, pip's precedence kept (a variable
+over the ``install`` section over ``global``):
 
-    index-url, extra-index-url, find-links, no-index, trusted-host, constraint  ->  uv's options of those names
-    cert                                                                          ->  SSL_CERT_FILE
+    index-url, extra-index-url, find-links, no-index, constraint  ->  uv's options of those names
+    trusted-host                                                  ->  --allow-insecure-host
+    cert                                                          ->  SSL_CERT_FILE
     (any other setting: uv has no equivalent that decides what gets installed; it is left out)
 
 ``--index-strategy unsafe-best-match`` is pip's rule: every index is asked and the best version wins (uv's default
