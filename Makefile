@@ -65,7 +65,6 @@ $(STAMP): pyproject.toml constraints.txt
 # The environment's bytecode, on every core, once per install (uv, like pip --no-compile, writes none). Needed:
 # where PYTHONDONTWRITEBYTECODE is set, nothing caches bytecode later and every rank process would compile torch
 # again. Some files are meant not to compile (newer-Python test fixtures), as under pip, so failures are ignored.
-# `make test` runs it beside mypy (one core): ~45 s of wall time instead of ~70 one after the other.
 $(COMPILED): $(STAMP)
 	$(BIN)/python -m compileall -qq -j 0 $(VENV)/lib > /dev/null || true
 	touch $(COMPILED)
