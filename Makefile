@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 COMPILED := $(VENV)/.compiled
 # The installed packages a rank process imports most of (`import actors.rank` loads 773 modules of torch, 419 of sympy,
-# 200 of ray, 84 of numpy; ~400 more from ~40 small packages): compiled to bytecode whole, once per install.
+# 198 of ray, 84 of numpy; 534 more from 39 smaller packages): compiled to bytecode whole, once per install.
 RANK_PACKAGES := torch ray sympy numpy
 
 # Recipes write the bytecode of what they import even where PYTHONDONTWRITEBYTECODE is set (an empty value turns it
