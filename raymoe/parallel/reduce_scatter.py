@@ -50,4 +50,8 @@ class AllToAllReduceScatter(ReduceScatter):
         received = torch.empty_like(input_tensor)
         dist.all_to_all_single(received, input_tensor, group=group)
         torch.sum(received.view(ranks, -1), dim=0, out=output_tensor)
+        # Freed here, not when the last reference goes: gloo's worker thread drops its own (the call's work holds the
+        # tensors) a moment after the call returns, later still on a busy CPU, while backward allocates the next
+        # layer's gradients.
+        received.untyped_storage().resize_(0)
         return None

@@ -81,7 +81,8 @@ def step_peak_bytes(ctx, micro_batches: int, rows: int, seq: int) -> int:
     """The highest total bytes of the tensor storages a training step of ``rows`` rows cut into ``micro_batches``
     micro-batches allocates and still holds, on this rank (activations, gradients, buffers; storages that live
     before the step, the parameters and AdamW moments, are not counted). Every op's new output storages are
-    counted until the storage itself is freed (a finalizer on it, whatever tensors shared it). The step before the
+    counted at their size after each op, whatever tensors share them: 0 once freed by resizing (FSDP2's gathered
+    weights, the reduce-scatter's receive buffer), nothing once the storage itself is gone. The step before the
     measured one creates the AdamW moments, so the measured one allocates what every later step does."""
     import weakref
 
@@ -95,36 +96,28 @@ def step_peak_bytes(ctx, micro_batches: int, rows: int, seq: int) -> int:
     class LiveStorages(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
-            self.live = self.peak = 0
-            self.tracked: set[int] = set()
+            self.peak = 0
+            self.tracked: dict[int, weakref.ref] = {}  # the storages ops made, by their C++ object
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            inputs = {_address(t) for t in tree_leaves((args, kwargs)) if _real(t)}
+            inputs = {_identity(t) for t in tree_leaves((args, kwargs)) if _real(t)}
             for tensor in tree_leaves(out):
                 if _real(tensor):
                     storage = tensor.untyped_storage()
-                    key = _address(tensor)
-                    if key and key not in inputs and key not in self.tracked:
-                        self.tracked.add(key)
-                        self.live += storage.nbytes()
-                        self.peak = max(self.peak, self.live)
-                        weakref.finalize(storage, self._freed, key, storage.nbytes())
+                    key = _identity(tensor)
+                    if key not in inputs and key not in self.tracked:
+                        self.tracked[key] = weakref.ref(storage, lambda _, key=key: self.tracked.pop(key, None))
+            live = sum(storage.nbytes() for ref in list(self.tracked.values()) if (storage := ref()) is not None)
+            self.peak = max(self.peak, live)
             return out
-
-        def _freed(self, key: int, nbytes: int) -> None:
-            self.tracked.discard(key)
-            self.live -= nbytes
 
     def _real(t) -> bool:
         return isinstance(t, torch.Tensor) and t.device.type != "meta"
 
-    def _address(t) -> int:
-        """The storage's address; 0 for one FSDP2 freed (resized to nothing: no longer a valid storage)."""
-        try:
-            return int(t.untyped_storage().data_ptr())
-        except RuntimeError:
-            return 0
+    def _identity(t) -> int:
+        """The storage itself (its C++ object), not its address: a freed storage's address is handed out again."""
+        return t.untyped_storage()._cdata
 
     ids = torch.randint(0, 96, (rows, seq), generator=torch.Generator().manual_seed(0))
     pieces = [
