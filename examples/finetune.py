@@ -622,12 +622,21 @@ def print_summary(summary: raymoe.TrainSummary, lora: Lora | None = None) -> Non
         ("train loss", f"{loss(summary.first_loss)} -> {loss(summary.last_loss)} (first -> last step)"),
         ("eval loss", f"{loss(summary.eval_loss_before)} -> {loss(summary.eval_loss_after)} (before -> after)"),
         ("throughput", f"{summary.tokens_per_s:.0f} label tokens/s ({summary.num_tokens} tokens)"),
+        *([("compile", compile_line(summary))] if summary.compile_s or summary.eval_compile_s else []),
         *saved,
         ("state", summary.state or "not saved"),
         ("metrics", summary.metrics_file),
         ("plot", summary.plot_file or "-"),
     ]
     print("\n".join(f"{key:>11}  {value}" for key, value in lines))
+
+
+def compile_line(summary: raymoe.TrainSummary) -> str:
+    """Where the run spent compiling the decoder blocks (once per batch shape); the throughput leaves it out."""
+    return (
+        f"{summary.compile_s:.1f} s in training steps, {summary.eval_compile_s:.1f} s in evaluations "
+        "(decoder blocks, once per batch shape; not in the throughput)"
+    )
 
 
 def main(argv: list[str] | None = None, world: RankGroup | None = None) -> int:

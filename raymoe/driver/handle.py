@@ -240,9 +240,8 @@ class DistributedModel(LoadedView, ReinforcementMethods, StreamedMethods):
     ) -> dict[str, Any]:
         """Mean loss over all label tokens of the global batch, forward only: no gradients, no optimizer step.
 
-        Batch handling (``document_ids`` included) as in :meth:`train_step`. Returns ``loss``, ``loss_sum`` and
-        ``num_tokens``, so the losses of several batches combine exactly: ``sum(loss_sum) / sum(num_tokens)``.
-        """
+        Batches (``document_ids`` too) as in :meth:`train_step`. Returns ``loss``, ``loss_sum``, ``num_tokens`` (so
+        batches combine exactly: ``sum(loss_sum) / sum(num_tokens)``), ``compile_s`` as :meth:`train_step` does."""
         batch = self._training.global_batch(input_ids, labels, attention_mask, document_ids)
         return self._training.evaluate(batch, micro_batches)
 

@@ -8,11 +8,12 @@ A record (fields absent when they do not apply; the routing ones only for MoE mo
      "dead_experts": 0, "dropped_pairs": 0, "expert_load": [[...E...], ...one per MoE layer],
      "eval_loss": 2.95}
 
-``step`` counts optimizer steps; a record with ``step: 0`` and only ``eval_loss`` is the
-evaluation before training. ``loss = lm_loss + coef * aux_loss`` (``aux_loss`` is reported even
-when its coefficient is 0). The plot is drawn without pyplot (a bare Agg canvas), so it works
-headless and leaves a notebook's matplotlib backend alone: loss, throughput and the worst layer's
-imbalance per step, and for MoE models a heatmap of each layer's expert load over the steps.
+plus ``compile_s`` (of ``step_time_s``) on a step that compiled the decoder blocks (``compile=``: a new batch shape's
+first) and ``eval_compile_s`` on an evaluation that did. ``step`` counts optimizer steps; a record with ``step: 0``
+and only ``eval_loss`` (and ``eval_compile_s``) is the evaluation before training. ``loss = lm_loss + coef *
+aux_loss`` (``aux_loss`` is reported even when its coefficient is 0). The plot is drawn without pyplot (a bare Agg
+canvas), so it works headless and leaves a notebook's matplotlib backend alone: loss, throughput and the worst
+layer's imbalance per step, and for MoE models a heatmap of each layer's expert load over the steps.
 """
 
 from __future__ import annotations

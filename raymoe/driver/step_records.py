@@ -5,6 +5,9 @@ A step's record (one line of ``metrics.jsonl``)::
     {"step": 3, "loss": 2.41, "lr": 3e-3, "grad_norm": 0.9, "num_tokens": 1016, "tokens_per_s": 2310.0,
      "step_time_s": 0.44, "lm_loss": 2.33, "aux_loss": 2.01, "max_expert_imbalance": 1.3, ...}  # MoE models
 
+``compile_s`` (of ``step_time_s``) on a step that compiled the decoder blocks, ``eval_loss`` on a step followed by an
+evaluation and ``eval_compile_s`` where that compiled them.
+
 The routing fields reduce the step's per-layer telemetry to the worst layer (imbalance) or a total (dead
 experts, dropped pairs); ``expert_load`` keeps the whole ``[L, E]`` table for the plot's heat map.
 """
@@ -55,11 +58,23 @@ class TrainSummary:
     restarts: int = 0  # how often fit() replaced failed ranks and went on (TrainerConfig.max_failures)
     adapter: Location | None = None  # the PEFT adapter directory this fit wrote last (TrainerConfig.save_adapter)
     history: list[dict[str, Any]] = field(repr=False, default_factory=list)
+    compile_s: float = 0.0  # of train_time_s: the steps' compiling of decoder blocks (a new shape's first step)
+    eval_compile_s: float = 0.0  # this fit's evaluations' compiling of decoder blocks
 
     @property
     def tokens_per_s(self) -> float:
-        """Label tokens per second over the training steps (evaluation and saving excluded)."""
-        return self.num_tokens / self.train_time_s if self.train_time_s > 0 else 0.0
+        """Label tokens per second over the training steps, not counting the seconds they spent compiling
+        (``compile_s``: once per batch shape, however long the run); evaluation and saving excluded."""
+        running = self.train_time_s - self.compile_s
+        return self.num_tokens / running if running > 0 else 0.0
+
+
+def compile_note(when: str, seconds: float) -> str:
+    """The progress output's line for a step or an evaluation that compiled the decoder blocks."""
+    return (
+        f"{when}: compiled the decoder blocks for a new batch shape in {seconds:.1f} s "
+        "(once per shape; later batches of that shape reuse them)"
+    )
 
 
 def _routing_record(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -29,7 +29,8 @@ class StreamedMethods:
         return self._training.train_step_streamed(with_micro_batches(batch, micro_batches), lr)
 
     def evaluate_streamed(self, batch: StreamedBatch, micro_batches: int = 1) -> dict[str, Any]:
-        """Mean loss over every label token of ``batch``, forward only (``loss``, ``loss_sum``, ``num_tokens``)."""
+        """Mean loss over every label token of ``batch``, forward only (``loss``, ``loss_sum``, ``num_tokens``;
+        ``compile_s`` as :meth:`~raymoe.driver.handle.DistributedModel.evaluate` says)."""
         return self._training.evaluate_streamed(with_micro_batches(batch, micro_batches))
 
 

@@ -30,6 +30,7 @@ wall-clock second of the step, as seen from the driver. Driver-side only (no ``r
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -46,11 +47,11 @@ from raymoe.driver.metrics import MetricsLog, plot_metrics
 from raymoe.driver.recovery import Decision, FailurePolicy, RestartRecord, cause_of
 from raymoe.driver.resume import position, resume_step, warn_changed_settings
 from raymoe.driver.run_directory import LATEST
-from raymoe.driver.step_records import TrainSummary, progress_postfix, step_record
+from raymoe.driver.step_records import TrainSummary, compile_note, progress_postfix, step_record
 from raymoe.driver.tokenizer import TextTokenizer
 from raymoe.driver.trackers import Trackers
 from raymoe.driver.trainer_config import TrainerConfig, check_int
-from raymoe.driver.training_data import TrainData, rows_of
+from raymoe.driver.training_data import EvalTotals, TrainData, rows_of
 
 if TYPE_CHECKING:
     from raymoe.driver.handle import DistributedModel
@@ -106,6 +107,7 @@ class Trainer:
         self._pending_state: Location | None = None  # an asynchronous save_state still writing
         self._last_state: Location | None = None  # the newest state this fit() saved
         self.restarts = 0
+        self._eval_compile_s = 0.0  # seconds this fit's evaluations spent compiling decoder blocks
         self._stops = StopRequests(lambda: self.step, config.save_state_on_interrupt)
         self._restart_record: RestartRecord | None = None  # written once the first step after a restart finished
         if checked is not None:
@@ -144,12 +146,13 @@ class Trainer:
         """Run ``num_steps`` more optimizer steps (default: to the end of the schedule, ``config.steps``)."""
         count = self.config.steps - self.step if num_steps is None else num_steps
         check_int("num_steps", count, minimum=0)
+        self._eval_compile_s = 0.0
         with self.trackers.opened(self.model, self.step):
             eval_before = self._evaluate_record(0) if self.step == 0 and self.eval_data is not None else None
             begin = self.step
             self._last_state = None
             with self._stops.listening():
-                train_time, saved = self._run_steps(count)
+                train_time, compile_time, saved = self._run_steps(count)
             # also a run resumed from a state of its last step, which may have stopped before its final checkpoint
             finished_unsaved = self.resumed_from is not None and not self.run.saved(
                 checkpoint=self.config.save_checkpoint, adapter=self.config.save_adapter
@@ -171,6 +174,8 @@ class Trainer:
             eval_loss_after=evals[-1] if evals else None,
             num_tokens=sum(r["num_tokens"] for r in run),
             train_time_s=train_time,
+            compile_s=compile_time,
+            eval_compile_s=self._eval_compile_s,
             checkpoint=checkpoint,
             adapter=adapter,
             metrics_file=self.log.path,
@@ -181,10 +186,12 @@ class Trainer:
             history=list(self.log.records),
         )
 
-    def _run_steps(self, count: int) -> tuple[float, tuple[Location | None, Location | None]]:
+    def _run_steps(self, count: int) -> tuple[float, float, tuple[Location | None, Location | None]]:
         """``count`` steps under the progress bar (which counts from the step the run is at, to ``steps``);
-        returns their wall time and the last periodic save (checkpoint, adapter)."""
+        returns their wall time, the part of it the ranks spent compiling, and the last periodic save (checkpoint,
+        adapter)."""
         train_time: float = 0.0
+        compile_time: float = 0.0
         saved: tuple[Location | None, Location | None] = (None, None)
         total = max(self.config.steps, self.step + count)
         progress = {"desc": "train", "unit": "step", "disable": not self.config.progress, "mininterval": 0.5}
@@ -195,9 +202,10 @@ class Trainer:
                     record = self._train_one_step()
                     train_time += record["step_time_s"]
                     if "compile_s" in record:
-                        logger.info("step %d compiled the decoder blocks in %.1f s", self.step, record["compile_s"])
+                        compile_time += record["compile_s"]
+                        self._announce(compile_note(f"step {self.step}", record["compile_s"]))
                     if self._eval_due():
-                        record["eval_loss"] = self.evaluate()
+                        record.update(self._evaluation())
                     self._log_restart()
                     self.log.append(record)
                     bar.set_postfix(progress_postfix(record), refresh=False)
@@ -216,7 +224,7 @@ class Trainer:
                     self._restart(error)
                     bar.reset(total=total)
                     bar.update(self.step)
-        return train_time, saved
+        return train_time, compile_time, saved
 
     def _stop_at_boundary(self) -> None:
         """Save the state of the step just finished (unless it is saved already), then raise TrainingInterrupted."""
@@ -284,21 +292,41 @@ class Trainer:
         return every is not None and self.step % every == 0
 
     def _evaluate_record(self, step: int) -> float:
-        loss = self.evaluate()
-        self.log.append({"step": step, "eval_loss": loss})
-        return loss
+        record = {"step": step, **self._evaluation()}
+        self.log.append(record)
+        return float(record["eval_loss"])
+
+    def _evaluation(self) -> dict[str, float]:
+        """The eval data's loss as a record's fields: ``eval_loss``, and ``eval_compile_s`` where the evaluation
+        compiled the decoder blocks (said in the progress output, added to the fit's ``eval_compile_s``)."""
+        totals = self._evaluate_totals()
+        fields = {"eval_loss": totals.loss}
+        if totals.compile_s > 0:
+            fields["eval_compile_s"] = totals.compile_s
+            self._eval_compile_s += totals.compile_s
+            when = f"the evaluation after step {self.step}" if self.step else "the evaluation before training"
+            self._announce(compile_note(when, totals.compile_s))
+        return fields
+
+    def _announce(self, message: str) -> None:
+        """A line above the progress bar (the bar stays whole), or an INFO log record without one."""
+        if self.config.progress:
+            tqdm.write(message, file=sys.stderr)
+        else:
+            logger.info(message)
 
     def evaluate(self, data: TrainData | None = None) -> float:
         """Mean loss over every label token of ``data`` (default: the eval data), forward only; in global batches,
         a short last one filled with all-padding rows, one without label tokens skipped."""
+        return self._evaluate_totals(data).loss
+
+    def _evaluate_totals(self, data: TrainData | None = None) -> EvalTotals:
         rows = rows_of(data) if data is not None else self.eval_data
         if rows is None:
             raise ValueError("evaluate() needs data: pass it, or give the Trainer eval_data")
         if data is not None:
             rows.check("eval data", self.model.model_config, min_rows=1)
-        accum = self.config.gradient_accumulation_steps
-        loss_sum, num_tokens = rows.evaluate(self.model, self.config.global_batch_size, accum)
-        return loss_sum / num_tokens
+        return rows.evaluate(self.model, self.config.global_batch_size, self.config.gradient_accumulation_steps)
 
     def save(self, path: str | Path | Location | None = None) -> Location:
         """Write the model (hub layout, by rank 0 on its node; a LoRA model merged) and the tokenizer; default

@@ -36,7 +36,7 @@ from raymoe.driver.routing import DeadExperts, aux_loss_value, expert_load_metri
 from raymoe.driver.streamed_data import StreamedBatch
 from raymoe.models.common.config import ModelConfig
 from raymoe.rank.block_rows import eval_loss_on_blocks, train_step_on_blocks
-from raymoe.rank.contract import MicroBatch, StepResult
+from raymoe.rank.contract import EvalResult, MicroBatch, StepResult
 from raymoe.rank.evaluate import eval_loss
 from raymoe.rank.train import configure_optimizer, train_step
 from raymoe.spec.balance import BalanceConfig, BalanceOptions
@@ -187,18 +187,26 @@ class TrainingSession:
 
     def evaluate(self, batch: GlobalBatch, micro_batches: int) -> dict[str, Any]:
         micro_of_batch = self.micro_batches(batch, micro_batches)
-        results: list[float] = self.fanout.per_batch(eval_loss, [(micro,) for micro in micro_of_batch])
-        return self._eval_metrics(sum(results), batch.num_label_tokens)
+        results: list[EvalResult] = self.fanout.per_batch(eval_loss, [(micro,) for micro in micro_of_batch])
+        return self._eval_metrics(results, batch.num_label_tokens)
 
     def evaluate_streamed(self, batch: StreamedBatch) -> dict[str, Any]:
         """:meth:`evaluate` on a global batch whose rows stay in Ray's object store."""
         self._check_streamed(batch)
-        results: list[float] = self.fanout.per_batch(eval_loss_on_blocks, [(r,) for r in batch.rows], batch.blocks)
-        return self._eval_metrics(sum(results), batch.num_label_tokens)
+        results: list[EvalResult] = self.fanout.per_batch(eval_loss_on_blocks, [(r,) for r in batch.rows], batch.blocks)
+        return self._eval_metrics(results, batch.num_label_tokens)
 
     @staticmethod
-    def _eval_metrics(loss_sum: float, num_label_tokens: int) -> dict[str, Any]:
-        return {"loss": loss_sum / num_label_tokens, "loss_sum": loss_sum, "num_tokens": num_label_tokens}
+    def _eval_metrics(results: list[EvalResult], num_label_tokens: int) -> dict[str, Any]:
+        """The batches' summed losses over the global batch's label tokens; ``compile_s`` (the longest of theirs) where
+        the forward compiled the decoder blocks."""
+        loss_sum = sum(r.loss_sum for r in results)
+        metrics: dict[str, Any] = {"loss": loss_sum / num_label_tokens, "loss_sum": loss_sum}
+        metrics["num_tokens"] = num_label_tokens
+        compiling = max(r.compile_s for r in results)
+        if compiling > 0:  # a new shape's first evaluation: its blocks compiled
+            metrics["compile_s"] = compiling
+        return metrics
 
     def _check_streamed(self, batch: StreamedBatch) -> None:
         """What :meth:`global_batch` and :func:`split_micro_batches` check, from the batch's row counts."""

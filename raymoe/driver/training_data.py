@@ -6,8 +6,9 @@
                           vocabulary, some label tokens, at least ``min_rows`` rows
     .batches(...)         row indices of successive global batches (:mod:`raymoe.driver.batch_order`)
     .train_step(...)      one optimizer step on those rows -> the step's metrics
-    .evaluate(...)        (loss_sum, num_tokens) over every row, in global batches of ``batch_size``; a short last
-                          one filled with all-padding rows (they add no token), a batch without label tokens skipped
+    .evaluate(...)        EvalTotals over every row (loss_sum, num_tokens, compile_s), in global batches of
+                          ``batch_size``; a short last one filled with all-padding rows (they add no token), a batch
+                          without label tokens skipped
 
 ``DriverRows`` sends each step's rows from the driver (``model.train_step``); ``ObjectStoreRows`` sends only which
 rows of which blocks each data-parallel batch takes (``model.train_step_streamed``): its ranks read them.
@@ -63,6 +64,28 @@ def check_counts(name: str, seq_len: int, label_tokens: int, rows: int, min_rows
 
 
 @dataclass(frozen=True)
+class EvalTotals:
+    """An evaluation's sums over its global batches: token loss, label tokens, and seconds spent compiling decoder
+    blocks (each batch's ``compile_s``: a new shape's first, ``compile=``)."""
+
+    loss_sum: float = 0.0
+    num_tokens: int = 0
+    compile_s: float = 0.0
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / self.num_tokens
+
+    def plus(self, metrics: dict[str, Any]) -> EvalTotals:
+        """These sums and one batch's ``evaluate`` answer."""
+        return EvalTotals(
+            self.loss_sum + metrics["loss_sum"],
+            self.num_tokens + metrics["num_tokens"],
+            self.compile_s + metrics.get("compile_s", 0.0),
+        )
+
+
+@dataclass(frozen=True)
 class DriverRows:
     """Rows the driver holds (``PackedData``); each step sends its rows to the ranks."""
 
@@ -97,9 +120,9 @@ class DriverRows:
             document_ids=batch.document_ids,
         )
 
-    def evaluate(self, model: DistributedModel, batch_size: int, micro_batches: int) -> tuple[float, int]:
+    def evaluate(self, model: DistributedModel, batch_size: int, micro_batches: int) -> EvalTotals:
         least = model.topology.config.dp_size * micro_batches
-        loss_sum, num_tokens = 0.0, 0
+        totals = EvalTotals()
         for start in range(0, self.data.num_sequences, batch_size):
             chunk = self.data.rows(slice(start, start + batch_size))
             if chunk.num_label_tokens == 0:
@@ -112,8 +135,8 @@ class DriverRows:
                 micro_batches=micro_batches,
                 document_ids=chunk.document_ids,
             )
-            loss_sum, num_tokens = loss_sum + result["loss_sum"], num_tokens + result["num_tokens"]
-        return loss_sum, num_tokens
+            totals = totals.plus(result)
+        return totals
 
 
 @dataclass(frozen=True)
@@ -149,15 +172,14 @@ class ObjectStoreRows:
         batch = self.data.batch(indices, model.topology.config.dp_size)
         return model.train_step_streamed(batch, lr=lr, micro_batches=micro_batches)
 
-    def evaluate(self, model: DistributedModel, batch_size: int, micro_batches: int) -> tuple[float, int]:
+    def evaluate(self, model: DistributedModel, batch_size: int, micro_batches: int) -> EvalTotals:
         least = model.topology.config.dp_size * micro_batches
         tokens = self.data.label_tokens
-        loss_sum, num_tokens = 0.0, 0
+        totals = EvalTotals()
         for start in range(0, self.data.num_sequences, batch_size):
             indices = np.arange(start, min(start + batch_size, self.data.num_sequences))
             if int(tokens[indices].sum()) == 0:
                 continue
             batch = self.data.batch(indices, model.topology.config.dp_size, blank=max(0, least - len(indices)))
-            result = model.evaluate_streamed(batch, micro_batches=micro_batches)
-            loss_sum, num_tokens = loss_sum + result["loss_sum"], num_tokens + result["num_tokens"]
-        return loss_sum, num_tokens
+            totals = totals.plus(model.evaluate_streamed(batch, micro_batches=micro_batches))
+        return totals

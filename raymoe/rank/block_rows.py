@@ -16,7 +16,7 @@ import torch
 
 from raymoe.models.common.loss import IGNORE_INDEX
 from raymoe.rank.context import RankContext
-from raymoe.rank.contract import BlockRows, MicroBatch, StepResult
+from raymoe.rank.contract import BlockRows, EvalResult, MicroBatch, StepResult
 from raymoe.rank.evaluate import eval_loss
 from raymoe.rank.train import train_step
 
@@ -51,7 +51,7 @@ def train_step_on_blocks(
     return train_step(ctx, micro_batches_of(request, blocks), global_tokens, lr)
 
 
-def eval_loss_on_blocks(ctx: RankContext, request: BlockRows, *blocks: Block) -> float:
+def eval_loss_on_blocks(ctx: RankContext, request: BlockRows, *blocks: Block) -> EvalResult:
     """:func:`raymoe.rank.evaluate.eval_loss` on this rank's rows of the blocks."""
     return eval_loss(ctx, micro_batches_of(request, blocks))
 

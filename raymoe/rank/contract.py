@@ -101,6 +101,15 @@ class StepResult:
 
 
 @dataclass(frozen=True)
+class EvalResult:
+    """One rank's share of an evaluation: its summed token loss, and the seconds it spent compiling decoder blocks
+    for it (a forward without gradients of a new shape compiles graphs of its own)."""
+
+    loss_sum: float
+    compile_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class DecodeRequest:
     """What every rank needs to decode its rows, checked on the driver."""
 

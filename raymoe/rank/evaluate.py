@@ -12,23 +12,26 @@ from torch import Tensor
 from raymoe.models.common.decoder import CausalLM
 from raymoe.models.common.loss import token_loss
 from raymoe.models.common.transfer import to_device
+from raymoe.parallel.compiled_blocks import compile_seconds
 from raymoe.parallel.fsdp import reshard
 from raymoe.parallel.vocab_parallel import vocab_parallel_loss, whole
 from raymoe.rank.context import RankContext
-from raymoe.rank.contract import MicroBatch
+from raymoe.rank.contract import EvalResult, MicroBatch
 from raymoe.rank.objective import micro_target
 
 
 @torch.no_grad()
-def eval_loss(ctx: RankContext, micro_batches: list[MicroBatch]) -> float:
+def eval_loss(ctx: RankContext, micro_batches: list[MicroBatch]) -> EvalResult:
     """Sum of the token losses over this rank's micro-batches (``input_ids``, ``labels`` ``[B, S]``, and
-    ``document_ids`` for packed rows); 0 on ranks that hold no last pipeline stage.
+    ``document_ids`` for packed rows), 0 on ranks that hold no last pipeline stage; and the seconds spent compiling
+    decoder blocks for it (a new shape's first evaluation, ``compile=``).
 
     Every rank runs every micro-batch (the forward's collectives need all of them); rows whose
     labels are all ignored add 0. Under context parallelism each rank sums its share of the tokens and the shares
     are added over the cp group.
     """
     loaded = ctx.require_model()
+    compiling_since = compile_seconds()
     shares = loaded.shares
     split = shares.context
     for part in loaded.parts:
@@ -51,4 +54,4 @@ def eval_loss(ctx: RankContext, micro_batches: list[MicroBatch]) -> float:
         reshard(part)
     if split is not None:
         split.sum(loss_sum)
-    return float(loss_sum.cpu())  # the evaluation's one wait for the device
+    return EvalResult(float(loss_sum.cpu()), compile_seconds() - compiling_since)  # the one wait for the device

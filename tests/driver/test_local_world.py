@@ -170,3 +170,25 @@ def test_placement_options_with_a_world_are_one_error_and_the_world_stays(load_l
         load_local(tiny, **option)
     with load_local(tiny) as model:  # the same world, untouched, loads the model
         assert model(torch.tensor([[1, 2, 3]])).shape == (1, 3, model.model_config.vocab_size)
+
+
+def test_compiling_is_reported_where_it_happens_and_left_out_of_the_throughput(load_local, tiny, tmp_path, capsys):
+    """A compiled model's first step and first evaluation of a batch shape compile the decoder blocks (dynamo and AOT
+    autograd: ``aot_eager``); they say so in the progress output and in their records, later ones of that shape
+    compile nothing, and the summary's throughput leaves the compiling out."""
+    held_out = rows(6, seed=4)
+    with load_local(tiny, compile="aot_eager") as model:
+        summary = Trainer(model, rows(), config(tmp_path, steps=3, progress=True), eval_data=held_out).fit()
+        again = model.evaluate(held_out.input_ids[:BATCH])
+    said = capsys.readouterr().err
+    evaluation, *steps = summary.history
+    assert evaluation["step"] == 0 and evaluation["eval_compile_s"] > 0
+    assert steps[0]["compile_s"] > 0 and all("compile_s" not in r for r in steps[1:])
+    assert "eval_compile_s" not in steps[-1]  # the evaluation after the last step: the shape compiled before
+    assert "compile_s" not in again
+    assert summary.compile_s == steps[0]["compile_s"] and summary.eval_compile_s == evaluation["eval_compile_s"]
+    assert summary.compile_s < steps[0]["step_time_s"]
+    assert summary.tokens_per_s == pytest.approx(summary.num_tokens / (summary.train_time_s - summary.compile_s))
+    assert "the evaluation before training: compiled the decoder blocks for a new batch shape in " in said
+    assert "step 1: compiled the decoder blocks for a new batch shape in " in said
+    assert "step 2: compiled" not in said and "after step 3: compiled" not in said

@@ -1,7 +1,9 @@
 """What the trackers are given: a step's scalars (from its ``metrics.jsonl`` record and the per-layer routing
 telemetry of ``train_step``) and a run's hyperparameters and descriptions.
 
-    loss, lm_loss, aux_loss, lr, grad_norm, tokens_per_s, num_tokens, eval_loss      as in the record
+    loss, lm_loss, aux_loss, lr, grad_norm, tokens_per_s, num_tokens, eval_loss,     as in the record (the two
+    compile_s, eval_compile_s                                                         compile times where a step or
+                                                                                      an evaluation compiled)
     routing/max_expert_imbalance, routing/max_rank_imbalance, routing/dead_experts,   the record's worst layer
     routing/dropped_pairs                                                             and totals
     routing/expert_imbalance/layer_<i>, routing/dead_experts/layer_<i>                per MoE layer <i> (0-based,
@@ -22,7 +24,10 @@ if TYPE_CHECKING:
     from raymoe.driver.handle import DistributedModel
     from raymoe.driver.trainer_config import TrainerConfig
 
-SCALARS = ("loss", "lm_loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "num_tokens", "eval_loss")
+SCALARS = (
+    "loss", "lm_loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "num_tokens", "eval_loss", "compile_s",
+    "eval_compile_s",
+)  # fmt: skip
 ROUTING = ("max_expert_imbalance", "max_rank_imbalance", "dead_experts", "dropped_pairs")
 PER_LAYER = ("expert_imbalance", "dead_experts")
 
