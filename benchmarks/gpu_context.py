@@ -57,11 +57,11 @@ def run_context(device: torch.device) -> dict[str, Any]:
 
 def _compiled_grouped_attention(device: torch.device) -> list[dict[str, Any]]:
     """Grouped kv heads inside a compiled block (issue 33): the kernel choice a compiled block folds in at trace time
-    (``sdpa_choice.choice_for_layouts``, asked of fake tensors) against SDPA's own choice on the real tensors
+    (``sdpa_choice.choice_for_traits``, asked of fake tensors) against SDPA's own choice on the real tensors
     (CUDA only: on CPU the compiled block does not ask), and ``grouped_attention`` compiled whole (``fullgraph``, no
     graph break) against eager, for a masked and a causal call in each dtype."""
     from raymoe.models.common.row_attention import grouped_attention, visible_keys
-    from raymoe.models.common.sdpa_choice import call_layouts, choice_for_layouts
+    from raymoe.models.common.sdpa_choice import call_traits, choice_for_traits
 
     gen = torch.Generator().manual_seed(3)
     results = []
@@ -72,7 +72,7 @@ def _compiled_grouped_attention(device: torch.device) -> list[dict[str, Any]]:
             allowed = visible_keys(256, 256, 0, 128, device) if masked else None
             row: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."), "masked": masked}
             if device.type == "cuda":
-                row["traced_choice"] = choice_for_layouts(device, call_layouts(q, k, v, allowed), not masked, 0.125)
+                row["traced_choice"] = choice_for_traits(device, call_traits(q, k, v, allowed, not masked), 0.125)
                 row["eager_choice"] = int(
                     torch._fused_sdp_choice(q, k, v, allowed, 0.0, not masked, scale=0.125, enable_gqa=True)
                 )

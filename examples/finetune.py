@@ -632,10 +632,10 @@ def print_summary(summary: raymoe.TrainSummary, lora: Lora | None = None) -> Non
 
 
 def compile_line(summary: raymoe.TrainSummary) -> str:
-    """Where the run spent compiling the decoder blocks (once per batch shape); the throughput leaves it out."""
+    """Where the run spent compiling the decoder blocks (new batch shapes); the throughput leaves it out."""
     return (
         f"{summary.compile_s:.1f} s in training steps, {summary.eval_compile_s:.1f} s in evaluations "
-        "(decoder blocks, once per batch shape; not in the throughput)"
+        "(decoder blocks, for batch shapes they had not run; not in the throughput)"
     )
 
 

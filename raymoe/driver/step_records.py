@@ -64,7 +64,7 @@ class TrainSummary:
     @property
     def tokens_per_s(self) -> float:
         """Label tokens per second over the training steps, not counting the seconds they spent compiling
-        (``compile_s``: once per batch shape, however long the run); evaluation and saving excluded."""
+        (``compile_s``: the first batches of new shapes, however long the run); evaluation and saving excluded."""
         running = self.train_time_s - self.compile_s
         return self.num_tokens / running if running > 0 else 0.0
 
@@ -72,8 +72,8 @@ class TrainSummary:
 def compile_note(when: str, seconds: float) -> str:
     """The progress output's line for a step or an evaluation that compiled the decoder blocks."""
     return (
-        f"{when}: compiled the decoder blocks for a new batch shape in {seconds:.1f} s "
-        "(once per shape; later batches of that shape reuse them)"
+        f"{when}: compiled the decoder blocks in {seconds:.1f} s for a batch shape they had not run "
+        "(once a size changes, they compile it symbolic, for every later size)"
     )
 
 

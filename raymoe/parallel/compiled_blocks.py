@@ -21,10 +21,14 @@ the forward ran, so a recompute that runs other graphs fails at the first backwa
 ``tests/parallel/test_compiled_blocks.py`` holds every family to no break, ``tests/rank/test_compiled_blocks.py``
 the layouts that break by design to those breaks.
 
-Shapes are static (``dynamic=False``): a new batch shape compiles one more graph, then reuses it. Dynamo's
-``recompile_limit`` (raised to :data:`RECOMPILE_LIMIT`) bounds how many a layer's forward may collect; past it dynamo
-runs that forward eagerly (the same numbers, slower), so nothing recompiles without end. The count starts again at
-every load (:func:`compile_blocks`).
+Shapes follow ``torch.compile``'s default (``dynamic=None``, automatic dynamic shapes): the first batch shape compiles
+graphs specialised to it; the first time a size changes (a row length: RL rollouts pad each batch to its longest row;
+a short last batch), dynamo compiles the forward again with that size symbolic, and that graph serves every later
+size. So a run whose lengths change every step compiles twice per mode (training, a forward without gradients), not
+once per length (with static shapes, ``dynamic=False``, every new length compiled for as long again, up to the
+limit: ``benchmarks/bench_dynamic_shapes.py``). Dynamo's ``recompile_limit`` (raised to :data:`RECOMPILE_LIMIT`)
+still bounds the graphs a layer's forward may collect; past it dynamo runs that forward eagerly (the same numbers,
+slower). The count starts again at every load (:func:`compile_blocks`).
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ def _compiled(layer: nn.Module, backend: str) -> Callable[..., Any]:
     """The layer's forward, compiled, except a step with a KV cache (generation), which runs the eager forward: its
     positions change every token, and a one-token step has little to fuse."""
     eager = layer.forward
-    compiled = torch.compile(eager, dynamic=False, backend=backend)
+    compiled = torch.compile(eager, backend=backend)  # dynamic=None: static first, symbolic sizes once one changes
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         cache = args[CACHE_ARG] if len(args) > CACHE_ARG else kwargs.get("cache")

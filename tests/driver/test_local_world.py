@@ -189,6 +189,6 @@ def test_compiling_is_reported_where_it_happens_and_left_out_of_the_throughput(l
     assert summary.compile_s == steps[0]["compile_s"] and summary.eval_compile_s == evaluation["eval_compile_s"]
     assert summary.compile_s < steps[0]["step_time_s"]
     assert summary.tokens_per_s == pytest.approx(summary.num_tokens / (summary.train_time_s - summary.compile_s))
-    assert "the evaluation before training: compiled the decoder blocks for a new batch shape in " in said
-    assert "step 1: compiled the decoder blocks for a new batch shape in " in said
+    assert "the evaluation before training: compiled the decoder blocks in " in said
+    assert "step 1: compiled the decoder blocks in " in said
     assert "step 2: compiled" not in said and "after step 3: compiled" not in said

@@ -1,5 +1,5 @@
 """Compiled decoder blocks in one process (raymoe.parallel.compiled_blocks): eager's numbers, one graph for every layer,
-no graph break, a bounded number of graphs as shapes change, and generation left eager."""
+no graph break, two graphs however the row length changes, and generation left eager."""
 
 import pytest
 import torch
@@ -58,8 +58,9 @@ def test_compiled_blocks_train_like_eager_with_one_graph_for_every_layer(tiny_ch
     assert all(abs(g - w) <= 1e-5 * abs(w) for g, w in zip(got, want, strict=True)), (got, want)
     assert compile_seconds() > before
     assert _graphs() == (1, 0)  # the first layer's graph serves the second; nothing breaks it
-    # another row length adds one graph (then reused), not one per step
-    more = _batches(eager.config.vocab_size, [(4, 20)] * 2, seed=1)
+    # another row length adds one graph, with the length symbolic (automatic dynamic shapes), which serves the next
+    # lengths too: not one graph per length
+    more = _batches(eager.config.vocab_size, [(4, 20), (4, 20), (4, 9), (4, 16)], seed=1)
     assert _train(compiled, more) == pytest.approx(_train(eager, more), rel=1e-5)
     assert _graphs() == (2, 0)
     # generation's cached steps run the eager forward: the same tokens, no graph
@@ -72,21 +73,25 @@ def test_compiled_blocks_train_like_eager_with_one_graph_for_every_layer(tiny_ch
 
 def test_every_family_compiles_its_blocks_without_a_graph_break(tiny_name, tiny_checkpoint):
     """Grouped-query attention (the kernel choice for grouped heads), sinks and windows, latent attention, shared
-    experts, dense layers and the padded grouped GEMM (the tiny shapes that ``torch._grouped_mm`` refuses) all trace:
-    a block's forward and backward are one graph per kind of layer (sliding and full attention, dense and MoE), as
-    eager computes them. Dynamo's trace alone decides this (the "eager" backend)."""
+    experts, dense layers and the padded grouped GEMM (the tiny shapes that ``torch._grouped_mm`` refuses) all trace,
+    with static and with symbolic lengths: a block's forward and backward are one graph per kind of layer (sliding and
+    full attention, dense and MoE) and length mode, as eager computes them. Dynamo's trace alone decides this (the
+    "eager" backend)."""
     directory = tiny_checkpoint(tiny_name)
     eager, compiled = load_model(directory).train(), load_model(directory).train()
     torch._dynamo.reset()
     counters.clear()
     compile_blocks(compiled, "eager")
-    (ids,) = _batches(eager.config.vocab_size, [(2, 12)])
-    want, got = causal_lm_loss(eager(ids), ids), causal_lm_loss(compiled(ids), ids)
-    got.backward()
-    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+    first = None
+    # a first length, then two more: the second traces the blocks with the length symbolic, the third reuses that
+    for ids in _batches(eager.config.vocab_size, [(2, 12), (2, 9), (2, 16)]):
+        want, got = causal_lm_loss(eager(ids), ids), causal_lm_loss(compiled(ids), ids)
+        got.backward()
+        assert got.item() == pytest.approx(want.item(), rel=1e-6)
+        first = first or _graphs()[0]
     graphs, breaks = _graphs()
     assert breaks == 0, dict(counters["graph_break"])
-    assert 1 <= graphs <= 2
+    assert 1 <= first <= 2 and graphs == 2 * first
 
 
 def test_a_new_model_compiles_whatever_the_graphs_earlier_models_left(tiny_checkpoint):
@@ -95,9 +100,12 @@ def test_a_new_model_compiles_whatever_the_graphs_earlier_models_left(tiny_check
     directory = tiny_checkpoint(MOE)
     first = load_model(directory)
     compile_blocks(first, "eager")  # dynamo's graphs and limit: its trace alone (the "eager" backend) is enough
-    with torch.no_grad():
+    # Static shapes only, so each new row length compiles a graph of its own (with automatic dynamic shapes, the
+    # second length's graph would serve them all and the limit would never be reached).
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False), torch.no_grad():
         for length in range(2, RECOMPILE_LIMIT + 3):  # a new row length each time: past the limit
             first(torch.zeros(1, length, dtype=torch.long))
+    assert _graphs()[0] >= RECOMPILE_LIMIT
     second = load_model(directory)
     compile_blocks(second, "eager")
     before = _graphs()[0]

@@ -111,3 +111,42 @@ def test_blocks_break_their_graph_only_where_they_run_eager_code_and_never_recom
         assert graphs - graphs_before <= most_graphs
     assert after == warm  # four more steps, four new routings: nothing recompiled
     assert "compile_s" not in metrics[0]
+
+
+# (checkpoint, layout, row lengths): a batch's row length changes from step to step (RL rollouts, each batch padded to
+# its longest row). Lengths split over the layout where it must (sequence parallelism: tp; context parallelism: 2 cp).
+WIDTH_CASES = {
+    "tp2-sp": (MOE, LAYOUTS["tp2-sp"], (10, 12, 16, 14)),
+    "tp2-ep2": (MOE, LAYOUTS["tp2-ep2"], (9, 12, 15, 11)),
+    "fsdp2": (MOE, LAYOUTS["fsdp2"], (9, 12, 15, 11)),
+    "ring": (GPT_OSS, {"cp_size": 2}, (16, 20, 28, 24)),
+    # grouped heads and the padded grouped GEMM under tp, selective checkpointing replaying the symbolic graphs
+    "mixtral-tp2-selective": (MIXTRAL, {"tp_size": 2, "activation_checkpointing": "selective"}, (9, 12, 15, 11)),
+}
+
+
+@pytest.mark.parametrize("case", list(WIDTH_CASES))
+def test_row_lengths_that_change_compile_two_graphs_and_train_like_eager(load_on_world, tiny_checkpoint, case):
+    """The first length compiles static graphs; the first change, graphs with the length symbolic (torch.compile's
+    automatic dynamic shapes), which serve every later length: two more lengths (training and log-probs) compile
+    nothing, where static shapes compiled per length up to the recompile limit. Losses and log-probs are eager's."""
+    import torch
+
+    name, layout, widths = WIDTH_CASES[case]
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 96, (8, width), generator=gen) for width in widths]
+
+    def run(**compile):
+        with load_on_world(tiny_checkpoint(name), layout, **compile) as model:
+            model.configure_training(lr=1e-2)
+            out = [(model.train_step(ids)["loss"], model.logprobs(ids)) for ids in batches[:2]]
+            settled = model.run_on_ranks(dynamo_counts)
+            out += [(model.train_step(ids)["loss"], model.logprobs(ids)) for ids in batches[2:]]
+            return out, settled, model.run_on_ranks(dynamo_counts)
+
+    compiled, settled, after = run(compile=AOT_EAGER)
+    assert after == settled  # two new lengths: nothing compiled
+    eager, _, _ = run(compile=False)
+    for (loss, logprobs), (want_loss, want_logprobs) in zip(compiled, eager, strict=True):
+        assert abs(loss - want_loss) <= 1e-5 * abs(want_loss)
+        torch.testing.assert_close(logprobs, want_logprobs, rtol=1e-5, atol=1e-5)

@@ -167,10 +167,10 @@ def _fused_kernel_takes_groups(
     if q_BHqSD.device.type == "cpu":
         return True
     # imported here, while dynamo traces: the module loads torch._dynamo, which an eager process never needs
-    from raymoe.models.common.sdpa_choice import call_layouts, choice_for_layouts
+    from raymoe.models.common.sdpa_choice import call_traits, choice_for_traits
 
-    layouts = call_layouts(q_BHqSD, k_BHkvLD, v_BHkvLD, allowed)
-    return bool(choice_for_layouts(q_BHqSD.device, layouts, is_causal, scale) != SDPBackend.MATH.value)
+    traits = call_traits(q_BHqSD, k_BHkvLD, v_BHkvLD, allowed, is_causal)
+    return bool(choice_for_traits(q_BHqSD.device, traits, scale) != SDPBackend.MATH.value)
 
 
 def visible_keys(seq: int, length: int, start: int, window: int | None, device: torch.device, first: int = 0) -> Tensor:
