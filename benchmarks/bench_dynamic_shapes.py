@@ -1,6 +1,7 @@
 """Compiled blocks when the row length changes from batch to batch (RL rollouts: each batch padded to its longest row).
 
-One process, the blocks compiled as a rank compiles them (``compile_blocks``), fused AdamW. Each run trains one step
+One process (on a CUDA GPU where there is one), the blocks compiled as a rank compiles them (``compile_blocks``), fused
+AdamW, fp32. Each run trains one step
 per width of ``--widths`` (every width new), then ``--steady`` more at the last width, in three modes:
 
     eager        no compiling
@@ -39,7 +40,8 @@ def run_mode(directory: str, mode: str, batch: int, vocab: int, widths: list[int
     from raymoe.models import causal_lm_loss
     from raymoe.parallel.compiled_blocks import compile_blocks, compile_seconds
 
-    model = load_model(directory).train()
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    model = load_model(directory).to(device).train()
     if mode != "eager":
         compile_blocks(model)
         torch._dynamo.config.automatic_dynamic_shapes = mode == "automatic"
@@ -47,11 +49,13 @@ def run_mode(directory: str, mode: str, batch: int, vocab: int, widths: list[int
     gen = torch.Generator().manual_seed(1)
 
     def step(width: int) -> float:
-        ids = torch.randint(0, vocab, (batch, width), generator=gen)
+        ids = torch.randint(0, vocab, (batch, width), generator=gen).to(device)
         began = time.perf_counter()
         causal_lm_loss(model(ids), ids).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         return time.perf_counter() - began
 
     widths_s = sum(step(width) for width in widths)
