@@ -21,12 +21,15 @@ the forward ran, so a recompute that runs other graphs fails at the first backwa
 ``tests/parallel/test_compiled_blocks.py`` holds every family to no break, ``tests/rank/test_compiled_blocks.py``
 the layouts that break by design to those breaks.
 
-Shapes follow ``torch.compile``'s default (``dynamic=None``, automatic dynamic shapes): the first batch shape compiles
-graphs specialised to it; the first time a size changes (a row length: RL rollouts pad each batch to its longest row;
-a short last batch), dynamo compiles the forward again with that size symbolic, and that graph serves every later
-size. So a run whose lengths change every step compiles twice per mode (training, a forward without gradients), not
-once per length (with static shapes, ``dynamic=False``, every new length compiled for as long again, up to the
-limit: ``benchmarks/bench_dynamic_shapes.py``). Dynamo's ``recompile_limit`` (raised to :data:`RECOMPILE_LIMIT`)
+Row lengths follow ``torch.compile``'s default (``dynamic=None``, automatic dynamic shapes): the first batch shape
+compiles graphs specialised to it; the first time a length changes (RL rollouts pad each batch to its longest row),
+dynamo compiles the forward again with it symbolic, and that graph serves every later length. So a run whose lengths
+change every step compiles twice per mode (training, a forward without gradients), not once per length (with static
+shapes, ``dynamic=False``, every new length compiled for as long again, up to the limit:
+``benchmarks/bench_dynamic_shapes.py``). The batch dim of the hidden states stays static (``mark_static``): a rank's
+rows per micro-batch are fixed by the layout, and a short last evaluation batch compiles a graph of its own, rather
+than making the batch size symbolic for every graph compiled after it (dynamo tracks sizes per code object, across
+training and evaluation). Dynamo's ``recompile_limit`` (raised to :data:`RECOMPILE_LIMIT`)
 still bounds the graphs a layer's forward may collect; past it dynamo runs that forward eagerly (the same numbers,
 slower). The count starts again at every load (:func:`compile_blocks`).
 """
@@ -45,6 +48,7 @@ COMPILED_ATTR = "_raymoe_compiled"
 # Graphs one decoder forward may hold: a few shapes (training rows, evaluation rows, a last short batch) per mode.
 RECOMPILE_LIMIT = 16
 CACHE_ARG = 3  # DecoderLayer.forward(x, cos, sin, cache, ...)
+HIDDEN_ARG = "x_BSH"
 
 
 def compile_blocks(model: CausalLM, backend: str = "inductor") -> int:
@@ -80,7 +84,11 @@ def _compiled(layer: nn.Module, backend: str) -> Callable[..., Any]:
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         cache = args[CACHE_ARG] if len(args) > CACHE_ARG else kwargs.get("cache")
-        return eager(*args, **kwargs) if cache is not None else compiled(*args, **kwargs)
+        if cache is not None:
+            return eager(*args, **kwargs)
+        hidden_BSH = args[0] if args else kwargs[HIDDEN_ARG]
+        torch._dynamo.mark_static(hidden_BSH, 0)
+        return compiled(*args, **kwargs)
 
     return forward
 
