@@ -68,12 +68,18 @@ def test_compiled_blocks_train_like_eager_with_one_graph_for_every_layer(tiny_ch
     sizes = _batches(eager.config.vocab_size, [(3, 12), (5, 12)], seed=2)
     assert _train(compiled, sizes) == pytest.approx(_train(eager, sizes), rel=1e-5)
     assert _graphs() == (4, 0)
+    # forwards without gradients (evaluation, log-probs): a graph of their own, for any length (symbolic from the
+    # first: dynamo saw this forward's length change before, in training)
+    with torch.no_grad():
+        for ids in _batches(eager.config.vocab_size, [(4, 12), (4, 7), (4, 21)], seed=3):
+            torch.testing.assert_close(compiled(ids), eager(ids), rtol=1e-5, atol=1e-5)
+    assert _graphs() == (5, 0)
     # generation's cached steps run the eager forward: the same tokens, no graph
     prompt = batches[0][:2, :5]
     with torch.no_grad():
         tokens = generate(compiled, prompt, 4, eos_token_ids=())
         assert torch.equal(tokens, generate(eager, prompt, 4, eos_token_ids=()))
-    assert _graphs() == (4, 0)
+    assert _graphs() == (5, 0)
 
 
 def test_every_family_compiles_its_blocks_without_a_graph_break(tiny_name, tiny_checkpoint):
