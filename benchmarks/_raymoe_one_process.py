@@ -30,6 +30,17 @@ def model_and_optimizer(
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
 
+def timed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> float:
+    """Seconds of one training step on ``ids`` (forward, backward, AdamW), waiting for a GPU to finish it."""
+    began = time.perf_counter()
+    causal_lm_loss(model(ids), ids).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if ids.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - began
+
+
 def main() -> None:
     directory, batch, seq, vocab, steps, warmup = sys.argv[1:7]
     compiled = sys.argv[7:] == ["compile"]
@@ -41,13 +52,7 @@ def main() -> None:
         if step == int(warmup):
             start = reset(device)
         ids = torch.randint(0, int(vocab), (int(batch), int(seq)), generator=gen).to(device)
-        began = time.perf_counter()
-        causal_lm_loss(model(ids), ids).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - began)
+        times.append(timed_step(model, optimizer, ids))
     print("STEP_SECONDS " + json.dumps(times), flush=True)
     print("PEAK_MIB " + json.dumps([[peak_mib(device), start]]), flush=True)
     if compiled:

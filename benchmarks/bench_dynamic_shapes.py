@@ -26,7 +26,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 MODES = ("eager", "per-shape", "automatic")
@@ -35,28 +34,17 @@ MODES = ("eager", "per-shape", "automatic")
 def run_mode(directory: str, mode: str, batch: int, vocab: int, widths: list[int], steady: int) -> dict[str, float]:
     """This process: one step per width, then ``steady`` at the last one; compile seconds, wall, steady median."""
     import torch
+    from _raymoe_one_process import model_and_optimizer, timed_step
 
-    from raymoe import load_model
-    from raymoe.models import causal_lm_loss
-    from raymoe.parallel.compiled_blocks import compile_blocks, compile_seconds
+    from raymoe.parallel.compiled_blocks import compile_seconds
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    model = load_model(directory).to(device).train()
-    if mode != "eager":
-        compile_blocks(model)
-        torch._dynamo.config.automatic_dynamic_shapes = mode == "automatic"
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    model, optimizer = model_and_optimizer(directory, mode != "eager", device)
+    torch._dynamo.config.automatic_dynamic_shapes = mode != "per-shape"
     gen = torch.Generator().manual_seed(1)
 
     def step(width: int) -> float:
-        ids = torch.randint(0, vocab, (batch, width), generator=gen).to(device)
-        began = time.perf_counter()
-        causal_lm_loss(model(ids), ids).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - began
+        return timed_step(model, optimizer, torch.randint(0, vocab, (batch, width), generator=gen).to(device))
 
     widths_s = sum(step(width) for width in widths)
     steady_s = statistics.median(step(widths[-1]) for _ in range(steady))
