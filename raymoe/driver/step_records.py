@@ -73,7 +73,7 @@ def compile_note(when: str, seconds: float) -> str:
     """The progress output's line for a step or an evaluation that compiled the decoder blocks."""
     return (
         f"{when}: compiled the decoder blocks in {seconds:.1f} s for a batch shape they had not run "
-        "(once a size changes, they compile it symbolic, for every later size)"
+        "(once the row length changes, they compile it symbolic, for every later length)"
     )
 
 
