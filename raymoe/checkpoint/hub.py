@@ -13,9 +13,6 @@ import os
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from huggingface_hub import snapshot_download
-from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
-
 from raymoe.checkpoint.download import fetch_checkpoint
 from raymoe.checkpoint.storage import LOCAL, StorageUrl, storage_url, url_scheme
 
@@ -102,6 +99,11 @@ def _from_hub(
     revision: str | None,
     cache_dir: str | os.PathLike[str] | None,
 ) -> Path:
+    # Imported here, for a hub id: every rank process imports this module, and most never resolve one (~0.3
+    # CPU-seconds of import each).
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
+
     try:
         snapshot = snapshot_download(
             repo_id=str(name),

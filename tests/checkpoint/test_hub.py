@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 
 import huggingface_hub
 import pytest
@@ -76,3 +78,11 @@ def test_allow_patterns_keep_only_what_raymoe_reads():
     ]
     kept = list(filter_repo_objects(files, allow_patterns=list(HUB_ALLOW_PATTERNS)))
     assert kept == files[:9]
+
+
+def test_a_rank_process_does_not_import_huggingface_hub_until_it_resolves_a_hub_id():
+    """Every rank imports this module and most resolve no hub id: huggingface_hub (and its HTTP stack) stays out."""
+    code = "import sys, actors.rank\nprint('huggingface_hub' in sys.modules)\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False"], done.stdout
