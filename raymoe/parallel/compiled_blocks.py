@@ -29,9 +29,9 @@ shapes, ``dynamic=False``, every new length compiled for as long again, up to th
 ``benchmarks/bench_dynamic_shapes.py``). The batch dim of the hidden states stays static (``mark_static``): a rank's
 rows per micro-batch are fixed by the layout, and a short last evaluation batch compiles a graph of its own, rather
 than making the batch size symbolic for every graph compiled after it (dynamo tracks sizes per code object, across
-training and evaluation). Dynamo's ``recompile_limit`` (raised to :data:`RECOMPILE_LIMIT`)
-still bounds the graphs a layer's forward may collect; past it dynamo runs that forward eagerly (the same numbers,
-slower). The count starts again at every load (:func:`compile_blocks`).
+training and evaluation). Dynamo's ``recompile_limit`` (raised to :data:`RECOMPILE_LIMIT`) still bounds the graphs a
+layer's forward may collect; past it dynamo runs that forward eagerly (the same numbers, slower). The count starts
+again at every load (:func:`compile_blocks`).
 """
 
 from __future__ import annotations

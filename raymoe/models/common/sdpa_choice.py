@@ -53,12 +53,8 @@ def stand_ins(traits: CallTraits, device: torch.device) -> tuple[Tensor, Tensor,
     length, key_length = QUERY_LENGTH, QUERY_LENGTH if square else KEY_LENGTH_UNEQUAL
 
     def tensor(shape: tuple[int, ...], last_contiguous: bool, of: torch.dtype) -> Tensor:
-        strides: list[int] = []
-        size = 1 if last_contiguous else 2  # a last dim that is not contiguous: every other element
-        for extent in reversed(shape):
-            strides.insert(0, size)
-            size *= extent
-        return torch.empty_strided(shape, tuple(strides), dtype=of, device=device)
+        step = 1 if last_contiguous else 2  # a last dim that is not contiguous: every other element
+        return torch.empty((*shape[:-1], shape[-1] * step), dtype=of, device=device)[..., ::step]
 
     q = tensor((1, heads, length, dim), contiguous[0], dtype)
     k = tensor((1, kv_heads, key_length, dim), contiguous[1], dtype)
