@@ -1,8 +1,8 @@
 """Compiled blocks when the row length changes from batch to batch (RL rollouts: each batch padded to its longest row).
 
 One process (on a CUDA GPU where there is one), the blocks compiled as a rank compiles them (``compile_blocks``), fused
-AdamW, fp32. Each run trains one step
-per width of ``--widths`` (every width new), then ``--steady`` more at the last width, in three modes:
+AdamW, fp32. Each run trains one step per width of ``--widths`` (every width new), then ``--steady`` more at the last
+width, in three modes:
 
     eager        no compiling
     per-shape    dynamo's automatic dynamic shapes off: every new width compiles a graph of its own (static shapes),

@@ -74,11 +74,10 @@ def dynamo_counts(ctx):
 # eager by design (token dispatch's split sizes are data; the ring's point-to-point exchanges), it breaks there only,
 # at functions dynamo is told not to trace, and compiles the pieces between, once for every kind of layer (gpt-oss:
 # sliding and full attention), and once more when the row length first changes (the length symbolic: automatic
-# dynamic shapes); TP-sharded grouped heads and experts (the padded grouped
-# GEMM, whose buffer size is data) break nowhere, and one graph serves both layers; sequence parallelism breaks
-# nowhere either. Lengths split
-# where the layout splits them (sequence parallelism: over tp; context parallelism: 2 cp). RL rollouts change the
-# length every batch (each padded to its longest row).
+# dynamic shapes); TP-sharded grouped heads and experts (the padded grouped GEMM, whose buffer size is data) break
+# nowhere, and one graph serves both layers; sequence parallelism breaks nowhere either. Lengths split where the
+# layout splits them (sequence parallelism: over tp; context parallelism: 2 cp). RL rollouts change the length every
+# batch (each padded to its longest row).
 # What a break's reason names where dynamo was told not to trace: torch.compiler.disable (token dispatch's experts,
 # FSDP2's hooks) and the ring's attend, which torch's lazy disable marks as skipped.
 EAGER_BY_DESIGN = ("disable", "RingLayout.attend")
